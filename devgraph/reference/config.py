@@ -1,0 +1,140 @@
+"""Shape and dtype of the reference model, with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from devgraph.errors import ConfigError
+
+__all__ = ["ReferenceConfig", "PRESET_NAMES"]
+
+# Shapes only; dtype and limits that a caller commonly overrides are plain fields too.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_requests=64,
+        max_seq_len=256,
+        dtype=torch.float32,
+    ),
+    # Qwen3-0.6B's shapes (without its per-head q/k norms); hidden_size != num_heads * head_dim there.
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        max_requests=64,
+        max_seq_len=2048,
+        dtype=torch.bfloat16,
+    ),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+# Spellings accepted for ``dtype`` in :meth:`ReferenceConfig.preset` overrides (e.g. from a CLI flag).
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_requests",
+    "max_seq_len",
+)
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    """Shape of a :class:`~devgraph.reference.ReferenceModel`.
+
+    ``max_requests`` KV-cache rows are usable; the model allocates one more, the padding slot.
+    ``hidden_size`` need not equal ``num_heads * head_dim`` (it does not in Qwen3).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_requests: int
+    max_seq_len: int
+    rope_theta: float = 1e6
+    rms_eps: float = 1e-6
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"ReferenceConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"ReferenceConfig.num_heads ({self.num_heads}) must be divisible by "
+                f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"ReferenceConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0 or not self.rms_eps > 0:
+            raise ConfigError(
+                "ReferenceConfig.rope_theta and rms_eps must be > 0, "
+                f"got {self.rope_theta!r} and {self.rms_eps!r}"
+            )
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ConfigError(
+                f"ReferenceConfig.dtype must be a floating torch.dtype, got {self.dtype!r}; "
+                f"accepted names in presets: {', '.join(_DTYPE_NAMES)}"
+            )
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ReferenceConfig:
+        """A named preset (``"tiny"`` or ``"qwen3-0.6b"``) with any field overridden.
+
+        ``dtype`` may be given as a torch.dtype or a name such as ``"bf16"``.
+        """
+        if name not in _PRESETS:
+            raise ConfigError(f"unknown reference preset {name!r}; accepted: {', '.join(PRESET_NAMES)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown ReferenceConfig field(s) {', '.join(unknown)}; "
+                f"accepted: {', '.join(sorted(fields))}"
+            )
+        values = {**_PRESETS[name], **overrides}
+        dtype = values.get("dtype")
+        if isinstance(dtype, str):
+            if dtype not in _DTYPE_NAMES:
+                raise ConfigError(f"unknown dtype {dtype!r}; accepted: {', '.join(_DTYPE_NAMES)}")
+            values["dtype"] = _DTYPE_NAMES[dtype]
+        return cls(**values)

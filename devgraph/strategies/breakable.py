@@ -1,0 +1,82 @@
+"""``breakable``: graph segments cut at every break op, which runs eagerly between them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from devgraph.breaks import BreakOp, break_handler
+from devgraph.context import capture_flag
+from devgraph.platform import DeviceGraph, GraphPlatform
+from devgraph.strategies._base import GraphStrategy
+from devgraph.strategies.plan import BreakCall, SegmentedPlan
+
+__all__ = ["BreakableBackend", "SegmentRecorder"]
+
+
+class SegmentRecorder:
+    """Builds a :class:`SegmentedPlan`: one graph capture open at a time, break calls between them."""
+
+    def __init__(self, platform: GraphPlatform, pool: Any) -> None:
+        self.platform = platform
+        self.pool = pool
+        self.steps: list[DeviceGraph | BreakCall] = []
+        self._open: DeviceGraph | None = None
+
+    def begin_segment(self) -> None:
+        graph = self.platform.new_graph()
+        self.platform.capture_begin(graph, self.pool)
+        self._open = graph
+
+    def end_segment(self) -> None:
+        graph, self._open = self._open, None
+        if graph is not None:
+            self.platform.capture_end(graph)
+            self.steps.append(graph)
+
+    def run_break(self, op: BreakOp | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a break op eagerly (outside any graph) and record it for replay."""
+        with capture_flag(False):
+            outputs = op.run_eager(args, kwargs) if isinstance(op, BreakOp) else op(*args, **kwargs)
+        self.steps.append(BreakCall(op, args, kwargs, outputs))
+        return outputs
+
+    def abort(self) -> None:
+        """Release everything recorded so far after a failure."""
+        if self._open is not None:
+            self.platform.abort_capture(self._open)
+            self._open = None
+        SegmentedPlan(self.steps, None).reset()
+        self.steps = []
+
+    def finish(self, outputs: Any) -> SegmentedPlan:
+        return SegmentedPlan(self.steps, outputs)
+
+
+class BreakableBackend(GraphStrategy):
+    """Captures the forward in segments, cut at every ``@devgraph.graph_break`` op.
+
+    At replay: segment, break op (eager, live forward context), segment, ... Use it when an op cannot
+    be captured (attention with host-side metadata, a custom communication op) but the rest should be.
+    """
+
+    name = "breakable"
+
+    def _capture(self, key: int, forward_fn: Callable[[], Any]) -> SegmentedPlan:
+        recorder = SegmentRecorder(self.platform, self._pool)
+
+        def on_break(op: BreakOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            recorder.end_segment()
+            outputs = recorder.run_break(op, args, kwargs)
+            recorder.begin_segment()
+            return outputs
+
+        try:
+            recorder.begin_segment()
+            with break_handler(on_break), capture_flag():
+                outputs = forward_fn()
+            recorder.end_segment()
+        except BaseException:
+            recorder.abort()
+            raise
+        return recorder.finish(outputs)

@@ -1,0 +1,35 @@
+"""``eager``: no graphs at all; the fallback and what ``disabled`` selects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from devgraph.backend import Batch, DeviceGraphBackend
+from devgraph.errors import ReplayError
+
+__all__ = ["EagerBackend"]
+
+
+class EagerBackend(DeviceGraphBackend):
+    """Runs every step eagerly; capture is a no-op. Selected by ``--device-graph-mode disabled``."""
+
+    name = "eager"
+    uses_graphs = False
+
+    def can_run(self, batch: Batch) -> bool:
+        return False
+
+    def capture_one(self, key: int, forward_fn: Callable[[], Any]) -> Any:
+        return None
+
+    def has_shape(self, key: int) -> bool:
+        return False
+
+    def replay(self, key: int, static_inputs: Mapping[str, torch.Tensor]) -> Any:
+        raise ReplayError("the eager backend captures nothing to replay; the runner runs the forward directly")
+
+    def cleanup(self) -> None:
+        pass

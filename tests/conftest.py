@@ -1,0 +1,95 @@
+"""Shared fixtures and hardware markers for the devgraph suite."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from devgraph.plugins import get_registry
+from devgraph.reference import ReferenceConfig, ReferenceModel
+
+
+def _cuda_reason() -> str | None:
+    if getattr(torch.version, "hip", None):
+        return "torch is a ROCm build"
+    if not torch.cuda.is_available():
+        return "no NVIDIA GPU (torch.cuda.is_available() is False)"
+    return None
+
+
+def _rocm_reason() -> str | None:
+    if not getattr(torch.version, "hip", None):
+        return "torch is not a ROCm build (torch.version.hip is None)"
+    if not torch.cuda.is_available():
+        return "no AMD GPU visible"
+    return None
+
+
+def _npu_reason() -> str | None:
+    if importlib.util.find_spec("torch_npu") is None:
+        return "torch-npu is not installed (install devgraph-npu[ascend] on an Ascend machine)"
+    return None
+
+
+def _multi_gpu_reason() -> str | None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return "needs two or more GPUs"
+    return None
+
+
+_HARDWARE = {"cuda": _cuda_reason, "rocm": _rocm_reason, "npu": _npu_reason, "multi_gpu": _multi_gpu_reason}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reasons = {name: check() for name, check in _HARDWARE.items()}
+    for item in items:
+        for name, reason in reasons.items():
+            if reason is not None and name in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=f"{name}: {reason}"))
+
+
+@pytest.fixture(scope="session")
+def registry():
+    """The process-wide plug-in registry (loaded once)."""
+    return get_registry()
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> ReferenceConfig:
+    return ReferenceConfig.preset("tiny")
+
+
+@pytest.fixture
+def tiny_model(tiny_config: ReferenceConfig) -> Iterator[ReferenceModel]:
+    """A fresh tiny reference model on the CPU with a random KV-cache history."""
+    torch.manual_seed(0)
+    model = ReferenceModel(tiny_config, device="cpu", seed=0)
+    model.randomize_cache(seed=0)
+    yield model
+
+
+def write_distribution(root, dist_name: str, modules: dict[str, str], entry_points: dict[str, str]) -> None:
+    """Install a distribution the way pip lays it out: modules plus ``*.dist-info`` with entry points.
+
+    ``root`` goes on ``sys.path`` (the caller does that), so ``importlib.metadata`` finds it for real.
+    """
+    for module, source in modules.items():
+        (root / f"{module}.py").write_text(source)
+    info = root / f"{dist_name.replace('-', '_')}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.1\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[devgraph]\n{lines}\n")
+    (info / "RECORD").write_text("")
+
+
+@pytest.fixture
+def dist_dir(tmp_path, monkeypatch):
+    """A site directory on sys.path for distributions a test installs with :func:`write_distribution`."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    return site

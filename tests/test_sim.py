@@ -1,0 +1,426 @@
+"""The CPU simulated graph: capture/replay semantics, capture rules, memory accounting."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from devgraph.breaks import graph_break
+from devgraph.context import capture_flag
+from devgraph.errors import CaptureError, ReplayError
+from devgraph.platform import DeviceGraph, GraphPlatform
+from devgraph.sim import CpuSimPlatform, SimGraph, SimPool
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- fixtures and helpers ----------------------------------------------------------------------------
+def _stack_depths() -> tuple[int, int]:
+    return torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack()
+
+
+@pytest.fixture
+def platform() -> Iterator[CpuSimPlatform]:
+    """A platform, and a check that the test left no mode behind once devgraph was called again."""
+    depths = _stack_depths()
+    sim = CpuSimPlatform()
+    yield sim
+    sim.abort_capture(sim.new_graph())  # settles a capture a test left failed, like the next capture would
+    assert _stack_depths() == depths
+    assert not sim.is_capturing()
+
+
+def _capture(
+    platform: CpuSimPlatform, fn: Callable[[], Any], pool: SimPool | None = None
+) -> tuple[SimGraph, Any]:
+    graph = platform.new_graph()
+    platform.capture_begin(graph, pool)
+    try:
+        out = fn()
+    except BaseException:
+        platform.abort_capture(graph)
+        raise
+    platform.capture_end(graph)
+    return graph, out
+
+
+@graph_break("devgraph_test_sim::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    """A break op: one custom op in the dispatcher, whatever its body does."""
+    out = torch.empty_like(x)
+    out.numpy()[...] = x.numpy() * 2  # invisible to dispatch; the op is recorded as a whole
+    return out
+
+
+@graph_break("devgraph_test_sim::accumulate", mutates_args=("total",))
+def accumulate(total: torch.Tensor, x: torch.Tensor) -> None:
+    """A break op that writes into its argument."""
+    total.add_(x)
+
+
+# -- replay semantics --------------------------------------------------------------------------------
+def test_platform_satisfies_the_interfaces() -> None:
+    sim = CpuSimPlatform()
+    assert isinstance(sim, GraphPlatform)
+    assert (sim.name, sim.device_type, sim.priority) == ("cpu", "cpu", 0)
+    assert sim.availability().usable
+    assert isinstance(sim.new_graph(), DeviceGraph)
+    assert "cpu" in sim.describe()
+    free, total = sim.mem_get_info()
+    assert 0 < free <= total
+    stream = sim.new_stream()
+    with sim.stream(stream):
+        assert sim.current_stream() is stream
+    assert sim.current_stream() is not stream
+    sim.synchronize()
+
+
+def test_replay_keeps_output_identity_and_storage(platform: CpuSimPlatform) -> None:
+    x = torch.randn(4, 3)
+    w = torch.randn(3, 5)
+    graph, (h, out) = _capture(platform, lambda: (x @ w, torch.relu(x @ w).sum(0)))
+    out_id, out_ptr, h_ptr = id(out), out.data_ptr(), h.data_ptr()
+    for _ in range(3):
+        x.copy_(torch.randn(4, 3))
+        graph.replay()
+        assert id(out) == out_id
+        assert out.data_ptr() == out_ptr and h.data_ptr() == h_ptr
+        torch.testing.assert_close(out, torch.relu(x @ w).sum(0))
+        torch.testing.assert_close(h, x @ w)
+
+
+def test_mutated_input_flows_through_replay(platform: CpuSimPlatform) -> None:
+    x = torch.zeros(5)
+    graph, y = _capture(platform, lambda: torch.sin(x) * 2 + 1)
+    x[2] = 1.5
+    graph.replay()
+    torch.testing.assert_close(y, torch.sin(x) * 2 + 1)
+
+
+def test_rebound_input_gives_stale_result(platform: CpuSimPlatform) -> None:
+    x = torch.ones(3)
+    graph, y = _capture(platform, lambda: x + 1)
+    x = torch.full((3,), 10.0)  # a new tensor: the graph still reads the old one
+    graph.replay()
+    torch.testing.assert_close(y, torch.full((3,), 2.0))
+
+
+def test_in_place_ops_and_views_replay_like_eager(platform: CpuSimPlatform) -> None:
+    x = torch.arange(6.0)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf = torch.zeros(6)
+        buf.add_(x)  # re-zeroed by replaying `zeros`, so replays do not accumulate
+        window = buf[1:4]  # a view: not re-run, keeps aliasing buf
+        window.mul_(10)
+        grid = buf.view(2, 3).t()
+        return buf, window, grid
+
+    graph, (buf, window, grid) = _capture(platform, forward)
+    assert window.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    for shift in (1.0, 5.0):
+        x.add_(shift)
+        graph.replay()
+        graph.replay()  # twice: in-place steps must not compound
+        expected = x.clone()
+        expected[1:4] *= 10
+        torch.testing.assert_close(buf, expected)
+        torch.testing.assert_close(window, expected[1:4])
+        torch.testing.assert_close(grid, expected.view(2, 3).t())
+    assert "aten.slice.Tensor" not in graph.op_names and "aten.t.default" not in graph.op_names
+
+
+def test_in_place_write_to_a_captured_input_repeats_each_replay(platform: CpuSimPlatform) -> None:
+    state = torch.zeros(2)
+    graph, _ = _capture(platform, lambda: state.add_(1))
+    assert state.tolist() == [1.0, 1.0]
+    graph.replay()
+    graph.replay()
+    assert state.tolist() == [3.0, 3.0]  # as on a device: the kernel writes again on every launch
+
+
+def test_multi_output_ops_replay(platform: CpuSimPlatform) -> None:
+    x = torch.randn(4, 6)
+
+    def forward() -> tuple[torch.Tensor, ...]:
+        values, indices = torch.max(x * 1, dim=0)
+        first, second = torch.split(x.exp(), 3, dim=1)
+        return values, indices, first, second
+
+    graph, (values, indices, first, second) = _capture(platform, forward)
+    x.copy_(torch.randn(4, 6))
+    graph.replay()
+    expected = torch.max(x, dim=0)
+    torch.testing.assert_close(values, expected.values)
+    torch.testing.assert_close(indices, expected.indices)
+    torch.testing.assert_close(first, x.exp()[:, :3])
+    torch.testing.assert_close(second, x.exp()[:, 3:])
+
+
+def test_composite_reshapes_and_unsafe_views_replay(platform: CpuSimPlatform) -> None:
+    a = torch.randn(2, 3, 4)
+    b = torch.randn(4, 5)
+    graph, out = _capture(platform, lambda: torch.matmul(a, b).reshape(6, 5).softmax(-1))
+    a.copy_(torch.randn(2, 3, 4))
+    graph.replay()
+    torch.testing.assert_close(out, torch.matmul(a, b).reshape(6, 5).softmax(-1))
+
+
+def test_capture_in_inference_mode_replays_outside_it(platform: CpuSimPlatform) -> None:
+    x = torch.randn(3)
+    with torch.inference_mode():
+        graph, y = _capture(platform, lambda: x.exp())
+    x.copy_(torch.randn(3))
+    graph.replay()  # writes into an inference tensor outside inference mode, as a kernel would
+    torch.testing.assert_close(y, x.exp())
+
+
+def test_capture_works_inside_and_outside_capture_flag(platform: CpuSimPlatform) -> None:
+    x = torch.ones(2)
+    with capture_flag():
+        inside, y = _capture(platform, lambda: x * 3)
+    outside, z = _capture(platform, lambda: x * 4)
+    x.fill_(2.0)
+    inside.replay()
+    outside.replay()
+    assert y.tolist() == [6.0, 6.0] and z.tolist() == [8.0, 8.0]
+
+
+def test_ops_on_other_threads_are_not_recorded(platform: CpuSimPlatform) -> None:
+    x = torch.ones(2)
+    side = torch.zeros(2)
+    graph = platform.new_graph()
+    platform.capture_begin(graph, None)
+    y = x + 1
+    worker = threading.Thread(target=lambda: side.add_(1))
+    worker.start()
+    worker.join()
+    platform.capture_end(graph)
+    graph.replay()
+    assert side.tolist() == [1.0, 1.0]
+    assert graph.op_names == ("aten.add.Tensor",)
+    assert y.tolist() == [2.0, 2.0]
+
+
+# -- capture rules -----------------------------------------------------------------------------------
+_x = torch.tensor([0.0, 1.5, -2.0, 1.5])
+
+HOST_SYNCS: dict[str, tuple[Callable[[], Any], str]] = {
+    "item": (lambda: (_x * 2).sum().item(), "aten._local_scalar_dense"),
+    "tolist": (lambda: (_x * 2).tolist(), "aten._local_scalar_dense"),
+    "bool": (lambda: bool((_x > 0).any()), "aten._local_scalar_dense"),
+    "int": (lambda: int(_x[1]), "aten._local_scalar_dense"),
+    "nonzero": (lambda: torch.nonzero(_x), "aten.nonzero"),
+    "masked_select": (lambda: _x.masked_select(_x > 0), "aten.masked_select"),
+    "unique": (lambda: torch.unique(_x), "aten._unique2"),
+    "bool_mask_index": (lambda: _x[_x > 0], "aten.index"),
+    "equal": (lambda: torch.equal(_x, _x), "aten.equal"),
+    "repeat_interleave": (
+        lambda: torch.repeat_interleave(_x, torch.tensor([1, 2, 0, 1])),
+        "aten.repeat_interleave",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOST_SYNCS))
+def test_host_syncs_raise_and_leave_no_mode(platform: CpuSimPlatform, case: str) -> None:
+    fn, op = HOST_SYNCS[case]
+    dispatch_depth, function_depth = _stack_depths()
+    graph = platform.new_graph()
+    platform.capture_begin(graph, platform.graph_pool_handle())
+    with pytest.raises(CaptureError) as info:
+        fn()
+    assert info.value.op == op
+    assert op in str(info.value) and "cannot be captured" in str(info.value)
+    # The recorder left the dispatch stack with the error; the graph holds nothing.
+    assert torch._C._len_torch_dispatch_stack() == dispatch_depth
+    assert not graph.is_captured
+    with pytest.raises(ReplayError, match="capture failed"):
+        graph.replay()
+    with pytest.raises(CaptureError, match="already ended by an error"):
+        platform.capture_end(graph)
+    assert _stack_depths() == (dispatch_depth, function_depth)
+    # A later capture, into the same graph, works normally.
+    y_in = torch.ones(2)
+    platform.capture_begin(graph, None)
+    y = y_in * 5
+    platform.capture_end(graph)
+    y_in.fill_(2.0)
+    graph.replay()
+    assert y.tolist() == [10.0, 10.0]
+
+
+def test_item_error_message_says_what_to_do(platform: CpuSimPlatform) -> None:
+    graph = platform.new_graph()
+    platform.capture_begin(graph, None)
+    with pytest.raises(CaptureError) as info:
+        _x.sum().item()
+    assert str(info.value).startswith("`.item()` (aten._local_scalar_dense) syncs with the host")
+    assert "forward context" in str(info.value)
+    platform.abort_capture(graph)
+
+
+def test_static_shaped_variants_are_allowed(platform: CpuSimPlatform) -> None:
+    x = torch.tensor([1.0, -1.0, 2.0])
+    idx = torch.tensor([2, 0])
+
+    def forward() -> tuple[torch.Tensor, ...]:
+        masked = torch.where(x > 0, x, torch.zeros_like(x))
+        picked = x[idx]  # integer indexing keeps a static shape
+        repeated = torch.repeat_interleave(x, torch.tensor([1, 2, 1]), output_size=4)
+        return masked, picked, repeated
+
+    graph, (masked, picked, repeated) = _capture(platform, forward)
+    x.copy_(torch.tensor([-3.0, 4.0, 5.0]))
+    graph.replay()
+    assert masked.tolist() == [0.0, 4.0, 5.0]
+    assert picked.tolist() == [5.0, -3.0]
+    assert repeated.tolist() == [-3.0, 4.0, 4.0, 5.0]
+
+
+def test_nested_capture_raises_and_outer_capture_survives(platform: CpuSimPlatform) -> None:
+    x = torch.ones(2)
+    outer, inner = platform.new_graph(), platform.new_graph()
+    platform.capture_begin(outer, None)
+    y = x + 1
+    with pytest.raises(CaptureError, match="nested capture"):
+        platform.capture_begin(inner, None)
+    z = y * 3
+    platform.capture_end(outer)
+    x.fill_(2.0)
+    outer.replay()
+    assert z.tolist() == [9.0, 9.0]
+    assert not inner.is_captured
+
+
+def test_capture_end_and_replay_misuse(platform: CpuSimPlatform) -> None:
+    graph = platform.new_graph()
+    with pytest.raises(CaptureError, match="not capturing"):
+        platform.capture_end(graph)
+    with pytest.raises(ReplayError):
+        graph.replay()
+    captured, _ = _capture(platform, lambda: torch.ones(2) * 2)
+    with pytest.raises(CaptureError, match="already holds a capture"):
+        platform.capture_begin(captured, None)
+    captured.reset()
+    with pytest.raises(ReplayError):
+        captured.replay()
+
+
+def test_abort_capture_mid_way_leaves_the_graph_empty(platform: CpuSimPlatform) -> None:
+    graph = platform.new_graph()
+    platform.capture_begin(graph, None)
+    torch.ones(3) * 2
+    platform.abort_capture(graph)
+    assert not platform.is_capturing() and not graph.is_captured
+    assert _stack_depths() == (0, 0)
+
+
+# -- memory ------------------------------------------------------------------------------------------
+def test_reset_frees_memory_and_references(platform: CpuSimPlatform) -> None:
+    x = torch.randn(64, 64)
+    gc.collect()  # graphs of earlier tests that only a traceback cycle still holds
+    before = platform.reserved_bytes()
+    pool = platform.graph_pool_handle()
+
+    def forward() -> tuple[torch.Tensor, weakref.ref[torch.Tensor]]:
+        hidden = x @ x  # an intermediate only the graph keeps
+        return (hidden + 1).sum(), weakref.ref(hidden)
+
+    graph, (out, hidden_ref) = _capture(platform, forward, pool)
+    held = platform.reserved_bytes() - before
+    assert held == graph.nbytes == pool.nbytes
+    assert held >= 2 * 64 * 64 * 4  # x @ x and hidden + 1, counted once each
+    assert hidden_ref() is not None
+    graph.reset()
+    gc.collect()
+    assert platform.reserved_bytes() == before
+    assert pool.nbytes == 0
+    assert hidden_ref() is None
+
+
+def test_dropped_graph_releases_its_bytes(platform: CpuSimPlatform) -> None:
+    gc.collect()
+    before = platform.reserved_bytes()
+    x = torch.randn(32)
+    graph, _ = _capture(platform, lambda: x.exp())
+    assert platform.reserved_bytes() > before
+    del graph
+    gc.collect()
+    assert platform.reserved_bytes() == before
+
+
+def test_two_graphs_share_one_pool(platform: CpuSimPlatform) -> None:
+    pool = platform.graph_pool_handle()
+    x = torch.randn(8)
+    first, a = _capture(platform, lambda: x * 2, pool)
+    second, b = _capture(platform, lambda: (x + 1).exp(), pool)
+    assert pool.num_graphs == 2
+    assert pool.nbytes == first.nbytes + second.nbytes > 0
+    x.copy_(torch.randn(8))
+    second.replay()
+    first.replay()
+    torch.testing.assert_close(a, x * 2)
+    torch.testing.assert_close(b, (x + 1).exp())
+    first.reset()
+    assert pool.nbytes == second.nbytes
+
+
+# -- opaque calls and custom ops ---------------------------------------------------------------------
+def test_record_opaque_replays_a_call_the_recorder_cannot_see(platform: CpuSimPlatform) -> None:
+    x = torch.arange(4.0)
+
+    def through_numpy(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t)
+        out.numpy()[...] = t.numpy() ** 2  # no aten op does the work
+        return out
+
+    def forward() -> torch.Tensor:
+        return platform.record_opaque(through_numpy, x * 1) + 1
+
+    graph, y = _capture(platform, forward)
+    assert graph.op_names[1].startswith("opaque:") and "aten.empty_like.default" not in graph.op_names
+    x.copy_(torch.tensor([5.0, 6.0, 7.0, 8.0]))
+    graph.replay()
+    assert y.tolist() == [26.0, 37.0, 50.0, 65.0]
+    assert platform.record_opaque(through_numpy, torch.tensor([3.0])).tolist() == [9.0]  # not capturing
+
+
+def test_graph_break_op_replays_as_one_op(platform: CpuSimPlatform) -> None:
+    x = torch.tensor([1.0, 2.0])
+    total = torch.zeros(2)
+
+    def forward() -> torch.Tensor:
+        y = double(x) + 1
+        accumulate(total, y)
+        return y
+
+    graph, y = _capture(platform, forward)
+    assert "devgraph_test_sim.double.default" in graph.op_names
+    assert "devgraph_test_sim.accumulate.default" in graph.op_names
+    assert y.tolist() == [3.0, 5.0] and total.tolist() == [3.0, 5.0]
+    x.copy_(torch.tensor([10.0, 20.0]))
+    graph.replay()
+    assert y.tolist() == [21.0, 41.0]
+    assert total.tolist() == [24.0, 46.0]  # the mutating op ran again on the captured buffer
+
+
+def test_failing_step_raises_replay_error(platform: CpuSimPlatform) -> None:
+    x = torch.ones(3)
+
+    def fragile(t: torch.Tensor) -> torch.Tensor:
+        if t.numpy()[0] < 0:
+            raise ValueError("negative input")
+        return t * 2
+
+    graph, _ = _capture(platform, lambda: platform.record_opaque(fragile, x))
+    x.fill_(-1.0)
+    with pytest.raises(ReplayError, match="negative input") as info:
+        graph.replay()
+    assert isinstance(info.value.__cause__, ValueError)
