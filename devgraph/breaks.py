@@ -33,6 +33,8 @@ class _HandlerSlot(threading.local):
 
 _slot = _HandlerSlot()
 _break_targets: set[Any] = set()
+#: Op overload -> its BreakOp, so a replay plan can reach the Python function behind an FX call node.
+_break_ops: dict[Any, BreakOp] = {}
 
 
 class BreakOp:
@@ -58,6 +60,18 @@ class BreakOp:
     def run_eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the op now, bypassing any installed handler."""
         return self._op(*args, **kwargs)
+
+    def replay_fn(self) -> Callable[..., Any]:
+        """What a replay plan calls: the wrapped function itself, unless a device kernel overrides it.
+
+        Going through torch's custom-op dispatcher costs tens of microseconds per call, paid at every
+        break of every replayed step; at replay the op runs eagerly outside any mode, so the plain
+        function computes the same thing. Capture still goes through :meth:`run_eager` (and torch's checks).
+        """
+        kernels = getattr(self._op, "_backend_fns", None)
+        if kernels is not None and set(kernels) <= {None} and not getattr(self._op, "_disabled_kernel", None):
+            return self.fn
+        return self._op
 
     def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
         """Register the shape function ``torch.compile`` uses to trace through this op."""
@@ -120,11 +134,17 @@ def graph_break(
         op.register_fake(fake or _default_fake)
         break_op = BreakOp(fn, op)
         _break_targets.add(break_op.overload)
+        _break_ops[break_op.overload] = break_op
         return break_op
 
     if callable(fn_or_name):
         return wrap(fn_or_name, None)
     return lambda fn: wrap(fn, fn_or_name)
+
+
+def break_op_for(target: Any) -> BreakOp | None:
+    """The :class:`BreakOp` behind an FX node target (an op overload), or ``None``."""
+    return _break_ops.get(target)
 
 
 def is_break_target(target: Any) -> bool:

@@ -8,6 +8,7 @@ nothing but torch.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,6 +17,9 @@ from devgraph.errors import CaptureError
 from devgraph.platform import DeviceGraph, GraphPlatform
 
 __all__ = ["TorchCudaGraphPlatform"]
+
+#: One capture stream per device for the process (see ``TorchCudaGraphPlatform.new_stream``).
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 class TorchCudaGraphPlatform(GraphPlatform):
@@ -33,6 +37,8 @@ class TorchCudaGraphPlatform(GraphPlatform):
         return torch.cuda.graph_pool_handle()
 
     def capture_begin(self, graph: DeviceGraph, pool: Any) -> None:
+        # Remembered for abort_capture, which must hand the pool back itself when capture_end fails.
+        graph._devgraph_pool = pool  # type: ignore[attr-defined]
         # thread_local: other threads of the engine (tokenizer, scheduler) may keep using the device.
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[attr-defined]
 
@@ -40,8 +46,20 @@ class TorchCudaGraphPlatform(GraphPlatform):
         graph.capture_end()  # type: ignore[attr-defined]
 
     def abort_capture(self, graph: DeviceGraph) -> None:
+        ended = False
         with contextlib.suppress(Exception):
             graph.capture_end()  # type: ignore[attr-defined]
+            ended = True
+        pool = getattr(graph, "_devgraph_pool", None)
+        if not ended and pool is not None:
+            # An invalidated capture makes torch's capture_end raise before it tells the caching allocator
+            # that the capture is over, and reset() then skips releasing the pool: the pool (and every
+            # block allocated during the failed capture) would stay reserved for the life of the process.
+            device = torch.cuda.current_device()
+            with contextlib.suppress(Exception):
+                torch._C._cuda_endAllocateToPool(device, pool)
+            with contextlib.suppress(Exception):
+                torch._C._cuda_releasePool(device, pool)
         with contextlib.suppress(Exception):
             graph.reset()
         # A failed capture can leave the stream in an error state; make the next work start clean.
@@ -60,13 +78,29 @@ class TorchCudaGraphPlatform(GraphPlatform):
         return None
 
     def new_stream(self) -> Any:
-        return torch.cuda.Stream()
+        # One stream per device for all captures of the process, as torch.cuda.graph does: cuBLAS keeps a
+        # workspace per (handle, stream) until exit, so a new stream per capture() leaks one per runner.
+        device = torch.cuda.current_device()
+        stream = _CAPTURE_STREAMS.get(device)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+        return stream
 
     def current_stream(self) -> Any:
         return torch.cuda.current_stream()
 
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
+    @contextlib.contextmanager
+    def stream(self, stream: Any) -> Iterator[Any]:
+        # The side stream must see the work already queued on the current one (weights, KV cache and
+        # static inputs written there) before warm-up reads it; work queued after the block must see what
+        # warm-up and the eager break ops wrote on the side stream.
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                yield stream
+        finally:
+            current.wait_stream(stream)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from devgraph.breaks import graph_break
-from devgraph.context import capture_flag
+from devgraph.context import capture_flag, forward_context, get_forward_context
 from devgraph.errors import CaptureError, ReplayError
 from devgraph.platform import DeviceGraph, GraphPlatform
 from devgraph.sim import CpuSimPlatform, SimGraph, SimPool
@@ -52,16 +52,41 @@ def _capture(
 
 @graph_break("devgraph_test_sim::double", mutates_args=())
 def double(x: torch.Tensor) -> torch.Tensor:
-    """A break op: one custom op in the dispatcher, whatever its body does."""
-    out = torch.empty_like(x)
-    out.numpy()[...] = x.numpy() * 2  # invisible to dispatch; the op is recorded as a whole
-    return out
+    """A break op: captured like a device captures it, through the ops its body issues."""
+    return x * 2
 
 
 @graph_break("devgraph_test_sim::accumulate", mutates_args=("total",))
 def accumulate(total: torch.Tensor, x: torch.Tensor) -> None:
     """A break op that writes into its argument."""
     total.add_(x)
+
+
+@graph_break("devgraph_test_sim::scale_by_context", mutates_args=())
+def scale_by_context(x: torch.Tensor) -> torch.Tensor:
+    """A break op reading per-step host state, which a graph can only hold as captured."""
+    return x * get_forward_context()
+
+
+@graph_break("devgraph_test_sim::numpy_square", mutates_args=())
+def numpy_square(x: torch.Tensor) -> torch.Tensor:
+    """A break op whose body works on host memory: fine eagerly, not inside a device graph."""
+    return torch.from_numpy(x.numpy() ** 2)
+
+
+# An op with a kernel the recorder cannot look into (registered for the CPU key, as a C++ kernel
+# would be): recorded, and re-run, as one op.
+_LIB = torch.library.Library("devgraph_test_sim", "FRAGMENT")
+_LIB.define("cube(Tensor x) -> Tensor")
+
+
+def _cube_kernel(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    out.numpy()[...] = x.numpy() ** 3  # no aten op does the work
+    return out
+
+
+_LIB.impl("cube", _cube_kernel, "CPU")
 
 
 # -- replay semantics --------------------------------------------------------------------------------
@@ -392,7 +417,7 @@ def test_record_opaque_replays_a_call_the_recorder_cannot_see(platform: CpuSimPl
     assert platform.record_opaque(through_numpy, torch.tensor([3.0])).tolist() == [9.0]  # not capturing
 
 
-def test_graph_break_op_replays_as_one_op(platform: CpuSimPlatform) -> None:
+def test_graph_break_op_replays_correctly(platform: CpuSimPlatform) -> None:
     x = torch.tensor([1.0, 2.0])
     total = torch.zeros(2)
 
@@ -402,13 +427,42 @@ def test_graph_break_op_replays_as_one_op(platform: CpuSimPlatform) -> None:
         return y
 
     graph, y = _capture(platform, forward)
-    assert "devgraph_test_sim.double.default" in graph.op_names
-    assert "devgraph_test_sim.accumulate.default" in graph.op_names
     assert y.tolist() == [3.0, 5.0] and total.tolist() == [3.0, 5.0]
     x.copy_(torch.tensor([10.0, 20.0]))
     graph.replay()
     assert y.tolist() == [21.0, 41.0]
-    assert total.tolist() == [24.0, 46.0]  # the mutating op ran again on the captured buffer
+    assert total.tolist() == [24.0, 46.0]  # the write into `total` is part of the graph
+    # Captured like a device captures it: the ops the bodies issued, not the Python bodies.
+    assert graph.op_names == ("aten.mul.Tensor", "aten.add.Tensor", "aten.add_.Tensor")
+
+
+def test_graph_break_op_bakes_host_state_read_at_capture(platform: CpuSimPlatform) -> None:
+    x = torch.tensor([1.0, 2.0])
+    with forward_context(3.0):
+        graph, y = _capture(platform, lambda: scale_by_context(x))
+    with forward_context(-1.0):
+        graph.replay()  # a device replays the kernel with the scalar it was launched with
+    assert y.tolist() == [3.0, 6.0]
+    with forward_context(-1.0):
+        assert scale_by_context(x).tolist() == [-1.0, -2.0]  # eagerly, the op reads the live context
+
+
+def test_host_read_inside_a_graph_break_op_raises(platform: CpuSimPlatform) -> None:
+    graph = platform.new_graph()
+    platform.capture_begin(graph, None)
+    with pytest.raises(CaptureError, match=r"\.numpy\(\)"):
+        numpy_square(torch.ones(2))
+    platform.abort_capture(graph)
+    assert numpy_square(torch.full((2,), 3.0)).tolist() == [9.0, 9.0]  # fine outside capture
+
+
+def test_op_with_an_opaque_kernel_is_recorded_whole(platform: CpuSimPlatform) -> None:
+    x = torch.tensor([1.0, 2.0])
+    graph, y = _capture(platform, lambda: torch.ops.devgraph_test_sim.cube(x) + 1)
+    assert graph.op_names == ("devgraph_test_sim.cube.default", "aten.add.Tensor")
+    x.fill_(3.0)
+    graph.replay()
+    assert y.tolist() == [28.0, 28.0]
 
 
 def test_failing_step_raises_replay_error(platform: CpuSimPlatform) -> None:
@@ -424,3 +478,56 @@ def test_failing_step_raises_replay_error(platform: CpuSimPlatform) -> None:
     with pytest.raises(ReplayError, match="negative input") as info:
         graph.replay()
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_record_opaque_runs_outside_the_mode_stacks(platform: CpuSimPlatform) -> None:
+    seen: list[tuple[int, int]] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        seen.append(_stack_depths())
+        return t + 1
+
+    x = torch.zeros(2)
+    depths = _stack_depths()
+    graph, y = _capture(platform, lambda: platform.record_opaque(probe, x))
+    x.fill_(4.0)
+    graph.replay()
+    assert seen == [depths, depths]  # no recorder, no guard: compiled code runs as compiled
+    assert y.tolist() == [5.0, 5.0]
+
+
+def test_compiled_function_replays_through_record_opaque(platform: CpuSimPlatform) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: torch.relu(t * 2) - 1, backend="eager")
+    x = torch.randn(6)
+    compiled(x)  # compile before capture, as tc_piecewise warms up
+    graph, y = _capture(platform, lambda: platform.record_opaque(compiled, x))
+    assert len(graph.op_names) == 1 and graph.op_names[0].startswith("opaque:")
+    x.copy_(torch.randn(6))
+    graph.replay()
+    torch.testing.assert_close(y, torch.relu(x * 2) - 1)
+
+
+def test_capture_with_parameters_that_require_grad(platform: CpuSimPlatform) -> None:
+    layer = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    graph, y = _capture(platform, lambda: torch.tanh(layer(x)))  # no no_grad: autograd is live
+    x.copy_(torch.randn(2, 4))
+    graph.replay()  # ops re-run below autograd, so writing into outputs that require grad is fine
+    with torch.no_grad():
+        torch.testing.assert_close(y, torch.tanh(layer(x)))
+
+
+def test_graph_replayed_during_another_capture_becomes_one_step(platform: CpuSimPlatform) -> None:
+    x = torch.ones(3)
+    inner, doubled = _capture(platform, lambda: x * 2)
+
+    def outer_forward() -> torch.Tensor:
+        inner.replay()
+        return doubled + 1
+
+    outer, out = _capture(platform, outer_forward)
+    assert outer.op_names[0].startswith("opaque:")
+    x.fill_(5.0)
+    outer.replay()
+    assert out.tolist() == [11.0, 11.0, 11.0]

@@ -9,6 +9,10 @@ A :class:`SimGraph` behaves like a CUDA graph so that every graph strategy can b
   re-run (the captured view still aliases the same storage); ops that write are re-run as they are. A
   caller who writes into a captured input sees the new value flow through; one who rebinds a name to a
   new tensor gets stale results, exactly as on a device.
+* A custom op with a Python body (``torch.library.custom_op``, so every ``graph_break`` op) is captured
+  the way a device captures it: its body runs once and the aten ops it issues are recorded, so Python
+  state it read at capture (the forward context, a host scalar) is baked into the graph. A custom op
+  with a C++ kernel is recorded, and re-run, as one op.
 * Capture enforces the device rules: an op that syncs with the host (``.item()``, ``.tolist()``,
   ``bool(t)``, ``torch.equal``) or whose output shape depends on tensor data (``nonzero``,
   ``masked_select``, ``unique``, boolean-mask indexing) raises :class:`~devgraph.errors.CaptureError`,
@@ -17,15 +21,16 @@ A :class:`SimGraph` behaves like a CUDA graph so that every graph strategy can b
 A note on failed captures: a ``TorchDispatchMode`` handler runs with its own mode popped, and torch
 pushes the mode back after the handler returns or raises, so a mode can never leave the stack from
 inside its own handler. Python-level calls are therefore also watched by a ``TorchFunctionMode``,
-which removes the recorder once the error has left the dispatcher. That outer mode, and a recorder
-that failed where no Python-level call surrounded it, stay on their stacks as inert pass-throughs until
+which removes the recorder once the error has left the dispatcher. That outer mode (and a recorder
+that failed where no Python-level call surrounded it) stays on its stack as an inert pass-through until
 the next capture call on the thread (``capture_begin``, ``capture_end``, ``abort_capture``, ``reset``,
-``record_opaque``) removes them.
+``record_opaque``) removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +41,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+try:  # torch >= 2.4: ops made by torch.library.custom_op, whose kernel is a Python function
+    from torch._library.custom_ops import _maybe_get_opdef
+except ImportError:  # pragma: no cover - older torch: every custom op is recorded as one op
+    _maybe_get_opdef = None
 
 from devgraph.errors import CaptureError, ReplayError
 
@@ -63,11 +73,14 @@ class _ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.capture: _Capture | None = None
-        # True while a recorded op runs: ops it issues internally (a custom op's Python body) belong
-        # to that op and must not be recorded or checked again.
+        # True while an op recorded as a whole runs: what it issues internally belongs to it and must
+        # not be recorded or checked again.
         self.in_op = False
-        # Modes that could not leave their stack yet (they were popped for their own handler).
-        self.orphans: list[tuple[Any, bool]] = []
+        # How many of our mode handlers are running on this thread. A handler's own mode is off its
+        # stack until the handler returns, so a finished mode can only be known gone at depth 0.
+        self.depth = 0
+        # Modes of finished captures that may still be on (or come back onto) a stack: (mode, dispatch?).
+        self.retired: list[tuple[Any, bool]] = []
 
 
 _tls = _ThreadState()
@@ -162,8 +175,6 @@ _DYNAMIC_SHAPE = "has a data-dependent output shape (a device syncs with the hos
 _SCALAR_ADVICE = "move it out of the captured forward or read the value from the forward context"
 _MOVE_OUT = "move it out of the captured forward"
 _MASK_ASSIGN = "use x.masked_fill_(mask, v) instead of boolean-mask assignment (`x[mask] = v`)"
-
-
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
@@ -206,8 +217,8 @@ _COMPARE = _always(
     "or move it out of the captured forward",
 )
 
-# Keyed by overload packet name; a rule here overrides the op's tags (``aten.index`` is tagged
-# dynamic_output_shape, but only boolean-mask indexing really is).
+# Keyed by overload name, else by overload packet name; a rule here overrides the op's tags
+# (``aten.index`` is tagged dynamic_output_shape, but only boolean-mask indexing really is).
 _RULES: dict[str, _Rule] = {
     "aten._local_scalar_dense": _always(_HOST_SYNC, _SCALAR_ADVICE),
     "aten.item": _always(_HOST_SYNC, _SCALAR_ADVICE),
@@ -227,7 +238,8 @@ _RULES: dict[str, _Rule] = {
     "aten.bincount": _always(
         _DYNAMIC_SHAPE, "scatter_add_ into a fixed-size buffer, or compute it outside the captured forward"
     ),
-    "aten.repeat_interleave": _when_output_size_missing,
+    "aten.repeat_interleave.Tensor": _when_output_size_missing,  # not .self_int: an int count is static
+    "aten.repeat_interleave.self_Tensor": _when_output_size_missing,
     "aten.one_hot": _when_num_classes_missing,
     "aten.index": _when_bool_index(
         _DYNAMIC_SHAPE, "use torch.where(mask, x, fill) instead of boolean-mask indexing (`x[mask]`)"
@@ -272,12 +284,14 @@ class _OpInfo:
     """What capture and replay need to know about one op overload (computed once per overload)."""
 
     name: str  # overload packet name, e.g. "aten.add"; the ``op`` of a CaptureError
-    view_only: bool  # every return is a read-only alias of an input: nothing to re-run
     mutable: bool  # writes an argument: always re-run
-    fresh: tuple[bool, ...]  # per schema return: a new tensor, copied back into the captured one
+    # Per schema return: not one the op writes in place. Such a return is copied back at replay when
+    # it is really new storage; one that shares an input's storage is a view and stays a view.
+    readable: tuple[bool, ...]
     single: bool  # one schema return, so the result is not a tuple of returns
     allocation: bool  # an empty-family op: its contents are undefined
     builtin: bool  # an aten/prims op: no effect beyond its schema
+    python_body: bool  # a torch.library.custom_op: its Python kernel is traced, not recorded whole
     rule: _Rule | None
 
 
@@ -297,7 +311,8 @@ def _classify(func: Any) -> _OpInfo:
     schema = func._schema
     returns = schema.returns
     name = str(func._overloadpacket)
-    rule = _RULES.get(name)
+    builtin = func.namespace in ("aten", "prims")
+    rule = _RULES.get(str(func)) or _RULES.get(name)
     if rule is None:
         tags = getattr(func, "tags", ())
         if _DATA_DEPENDENT_TAG is not None and _DATA_DEPENDENT_TAG in tags:
@@ -306,14 +321,12 @@ def _classify(func: Any) -> _OpInfo:
             rule = _always(_DYNAMIC_SHAPE, _MOVE_OUT)
     return _OpInfo(
         name=name,
-        view_only=bool(returns)
-        and not schema.is_mutable
-        and all(r.alias_info is not None and not r.alias_info.is_write for r in returns),
         mutable=schema.is_mutable,
-        fresh=tuple(r.alias_info is None for r in returns),
+        readable=tuple(r.alias_info is None or not r.alias_info.is_write for r in returns),
         single=len(returns) == 1,
         allocation=name in _ALLOCATIONS,
-        builtin=func.namespace in ("aten", "prims"),
+        builtin=builtin,
+        python_body=not builtin and _maybe_get_opdef is not None and _maybe_get_opdef(func) is not None,
         rule=rule,
     )
 
@@ -371,20 +384,26 @@ def _top_mode(dispatch: bool) -> Any:
     return torch._C._get_function_stack_at(length - 1) if length else None
 
 
+def _on_stack(mode: Any, dispatch: bool) -> bool:
+    if dispatch:
+        length, get_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
+    else:
+        length, get_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+    return any(get_at(i) is mode for i in range(length()))
+
+
 def _remove_mode(mode: Any, dispatch: bool) -> bool:
     """Take ``mode`` off its stack wherever it is; ``False`` if it is not there (popped for its handler).
 
     Modes entered above it (left over by code that did not exit them) are put back in order.
     ``__exit__`` does the final pop so that torch's bookkeeping of active dispatch modes stays right.
     """
+    if not _on_stack(mode, dispatch):
+        return False
     if dispatch:
-        length, get_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
         pop, push = (lambda: torch._C._pop_torch_dispatch_stack(None)), torch._C._push_on_torch_dispatch_stack
     else:
-        length, get_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
         pop, push = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
-    if not any(get_at(i) is mode for i in range(length())):
-        return False
     above = []
     while True:
         top = pop()
@@ -398,23 +417,45 @@ def _remove_mode(mode: Any, dispatch: bool) -> bool:
     return True
 
 
-def _sweep_orphans() -> None:
-    """Remove modes of finished captures that were popped for their own handler when they ended."""
-    orphans = _tls.orphans
-    if orphans:
-        _tls.orphans = []
-        for mode, dispatch in orphans:
-            _remove_mode(mode, dispatch)
+def _retire(capture: _Capture) -> None:
+    """Make the capture's modes inert and take them off their stacks (now, or at a later sweep)."""
+    capture.recorder.capture = None
+    capture.guard.capture = None
+    _tls.retired.extend(((capture.recorder, True), (capture.guard, False)))
+    _sweep_retired()
+
+
+def _sweep_retired() -> None:
+    """Take retired modes off their stacks; forget them once no handler of ours can push one back."""
+    retired = _tls.retired
+    if not retired:
+        return
+    for mode, dispatch in retired:
+        while _remove_mode(mode, dispatch):
+            pass
+    if _tls.depth == 0:
+        retired.clear()
 
 
 def _settle_failed() -> _Capture | None:
-    """Close this thread's capture if a capture rule ended it; return it (for its error) or ``None``."""
+    """Finish this thread's capture if a capture rule ended it; return it (for its error) or ``None``."""
+    _sweep_retired()
     capture = _tls.capture
     if capture is None or capture.error is None:
         return None
     _tls.capture = None
-    capture.close()
     return capture
+
+
+def _keys_below_python(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The dispatch keys of the arguments' tensors that come after the Python key (backend keys)."""
+    keys = None
+    for tensor in _tensors_in((*args, *kwargs.values())):
+        tensor_keys = torch._C._dispatch_keys(tensor)
+        keys = tensor_keys if keys is None else keys | tensor_keys
+    if keys is None:
+        return None
+    return keys & torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 
 
 # -- capture -----------------------------------------------------------------------------------------
@@ -435,7 +476,12 @@ class SimRecorder(TorchDispatchMode):
         capture = self.capture
         if capture is None or capture.paused:
             return func(*args, **kwargs)
-        return capture.on_op(func, args, kwargs)
+        state = _tls
+        state.depth += 1
+        try:
+            return capture.on_op(func, args, kwargs)
+        finally:
+            state.depth -= 1
 
 
 class _HostReadGuard(TorchFunctionMode):
@@ -452,9 +498,14 @@ class _HostReadGuard(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         capture = self.capture
-        if capture is None or capture.paused or _tls.in_op:
+        state = _tls
+        if capture is None or capture.paused or state.in_op:
             return func(*args, **kwargs)
-        return capture.on_call(func, args, kwargs)
+        state.depth += 1
+        try:
+            return capture.on_call(func, args, kwargs)
+        finally:
+            state.depth -= 1
 
 
 class _Capture:
@@ -463,7 +514,7 @@ class _Capture:
     def __init__(self, graph: SimGraph, pool: SimPool) -> None:
         self.graph = graph
         self.pool = pool
-        self.segments: list[tuple[bool, Step, str]] = []  # (kernel step?, step, name) in issue order
+        self.steps: list[tuple[bool, Step, str]] = []  # (kernel step?, step, name) in issue order
         self.storages: dict[int, int] = {}  # storages allocated by recorded ops: data_ptr -> nbytes
         self.keepalive: list[torch.Tensor] = []  # allocations replay does not redo but must keep
         self.kernel_keys: tuple[Any, Any] | None = None
@@ -472,46 +523,29 @@ class _Capture:
         self.error: CaptureError | None = None
         self.recorder = SimRecorder(self)
         self.guard = _HostReadGuard(self)
-        self._entered = {True: False, False: False}  # dispatch / function mode still on its stack
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def enter(self) -> None:
         self.guard.__enter__()
-        self._entered[False] = True
         try:
             self.recorder.__enter__()
         except BaseException:
-            self.close()
+            self.guard.__exit__(None, None, None)
             raise
-        self._entered[True] = True
 
     def close(self) -> None:
-        """Leave both mode stacks (or leave an orphan to sweep later) and drop the recorder's links."""
-        self.recorder.capture = None
-        self.guard.capture = None
-        for dispatch, mode in ((True, self.recorder), (False, self.guard)):
-            if self._entered[dispatch]:
-                self._entered[dispatch] = False
-                if not _remove_mode(mode, dispatch):
-                    _tls.orphans.append((mode, dispatch))
+        """Leave both mode stacks and drop the modes' links to this capture."""
+        _retire(self)
 
     def fail(self, error: CaptureError) -> NoReturn:
         """End the capture because a capture rule was broken, leave the graph empty and raise ``error``."""
         self.error = error
-        self.recorder.capture = None
-        self.guard.capture = None
-        self.segments.clear()
+        self.steps.clear()
         self.storages.clear()
         self.keepalive.clear()
         self.graph._capture_failed(error)
-        self._leave_stacks()
+        _retire(self)  # takes off the modes on a stack now; the one whose handler runs comes back later
         raise error
-
-    def _leave_stacks(self) -> None:
-        """Take off its stack each mode that is on it now; the one whose handler runs is not."""
-        for dispatch, mode in ((True, self.recorder), (False, self.guard)):
-            if self._entered[dispatch] and _remove_mode(mode, dispatch):
-                self._entered[dispatch] = False
 
     # -- recording ---------------------------------------------------------------------------------
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -520,6 +554,10 @@ class _Capture:
             violation = info.rule(args, kwargs)
             if violation is not None:
                 self.fail(_violation_error(info, violation, self.api))
+        if info.python_body:
+            keys = _keys_below_python(args, kwargs)
+            if keys is not None:
+                return self._trace_body(func, keys, args, kwargs)
         state = _tls
         previous, state.in_op = state.in_op, True
         try:
@@ -537,31 +575,52 @@ class _Capture:
         self._record_op(func, info, args, kwargs, out)
         return out
 
+    def _trace_body(self, func: Any, keys: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a Python custom op's kernel with the modes back on their stacks, so that the ops its body
+        issues are checked and recorded one by one, as a device captures the kernels they launch.
+
+        ``redispatch`` below the Python key reaches the kernel without coming back to this handler.
+        """
+        push_guard = not _on_stack(self.guard, dispatch=False)
+        if push_guard:
+            self.guard.__enter__()
+        self.recorder.__enter__()
+        try:
+            return func.redispatch(keys, *args, **kwargs)
+        finally:
+            if self.error is None:  # a failure has retired (and removed) the modes already
+                _remove_mode(self.recorder, True)
+                if push_guard:
+                    _remove_mode(self.guard, False)
+
     def _record_op(
         self, func: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
-        if info.view_only:
-            return  # the captured view keeps aliasing the same storage
         targets = self._fresh_targets(info, args, kwargs, out)
         if info.allocation:
             self.keepalive.extend(t for _, _, t in targets)
             return
         if not targets and not info.mutable and info.builtin:
-            return  # returns only aliases (an op whose schema says otherwise) or metadata: nothing to redo
-        self.segments.append((True, _op_step(func, args, kwargs, targets, info.single), str(func)))
+            return  # views (the captured view keeps aliasing its input) or metadata: nothing to redo
+        self.steps.append((True, _op_step(func, args, kwargs, targets, info.single), str(func)))
 
     def _fresh_targets(
         self, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> list[_Target]:
-        """The newly allocated tensors ``out`` holds, as (return index, list index, tensor)."""
-        if not any(info.fresh):
+        """The newly allocated tensors ``out`` holds, as (return index, list index, tensor).
+
+        The storage decides, not the schema alone: ``reshape``, ``contiguous`` and ``to`` are annotated
+        as aliases but copy when they must (they reach the mode whole where autograd is off), and
+        ``_unsafe_view`` is annotated as new but is a view.
+        """
+        if not any(info.readable):
             return []
         values = (out,) if info.single else out
         inputs: set[int] | None = None
         targets: list[_Target] = []
-        for i, fresh in enumerate(info.fresh):
+        for i, readable in enumerate(info.readable):
             value = values[i]
-            if not fresh or value is None:
+            if not readable or value is None:
                 continue
             items = [(None, value)] if isinstance(value, torch.Tensor) else list(enumerate(value))
             for j, tensor in items:
@@ -571,7 +630,7 @@ class _Capture:
                 if inputs is None:
                     inputs = _input_storages(args, kwargs)
                 if ptr in inputs:
-                    continue  # e.g. aten._unsafe_view: declared fresh, really a view of an input
+                    continue  # a view of an input: it sees every replayed write to that input
                 if ptr:
                     self.storages[ptr] = nbytes
                 targets.append((i, j, tensor))
@@ -587,20 +646,20 @@ class _Capture:
             self.fail(
                 CaptureError(
                     f"{shown} ({op}) {what} and cannot be captured; {_SCALAR_ADVICE} "
-                    "(inside a graph_break op or platform.record_opaque(...) it is allowed)",
+                    "(code that must run on the host at every replay can go in platform.record_opaque)",
                     op=op,
                 )
             )
-        self.api = func
+        previous, self.api = self.api, func
         try:
             return func(*args, **kwargs)
         except CaptureError:
             if self.error is not None:
                 # The recorder raised inside this call and torch has pushed it back since; it can leave now.
-                self._leave_stacks()
+                _sweep_retired()
             raise
         finally:
-            self.api = None
+            self.api = previous
 
     def run_opaque(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with self._suspended():
@@ -612,7 +671,7 @@ class _Capture:
                 if ptr and ptr not in inputs:
                     self.storages[ptr] = nbytes
         name = getattr(fn, "__qualname__", None) or repr(fn)
-        self.segments.append((False, _opaque_step(fn, args, kwargs, result), f"opaque:{name}"))
+        self.steps.append((False, _opaque_step(fn, args, kwargs, result), f"opaque:{name}"))
         return result
 
     @contextlib.contextmanager
@@ -633,14 +692,11 @@ class _Capture:
             self.paused = False
 
     def program(self) -> tuple[_Segment, ...]:
-        """Group the recorded steps into segments of one kind, for :meth:`SimGraph.replay`."""
+        """Group the recorded steps into runs of one kind (kernel ops / opaque calls) for replay."""
         segments: list[_Segment] = []
-        for kernel, step, name in self.segments:
-            if segments and segments[-1][0] == kernel:
-                _, steps, names = segments[-1]
-                segments[-1] = (kernel, (*steps, step), (*names, name))
-            else:
-                segments.append((kernel, (step,), (name,)))
+        for kernel, group in itertools.groupby(self.steps, key=lambda entry: entry[0]):
+            entries = list(group)
+            segments.append((kernel, tuple(e[1] for e in entries), tuple(e[2] for e in entries)))
         return tuple(segments)
 
 
@@ -711,7 +767,7 @@ class SimGraph:
         self._nbytes = 0
         self._release: weakref.finalize | None = None
         self._capturing_thread: int | None = None
-        self._failure: CaptureError | None = None
+        self._failure: str | None = None  # the message only: the error's traceback holds frames
 
     # -- capture -----------------------------------------------------------------------------------
     def capture_begin(self, pool: SimPool | None = None) -> None:
@@ -744,7 +800,7 @@ class SimGraph:
 
     def _capture_failed(self, error: CaptureError) -> None:
         self._capturing_thread = None
-        self._failure = error
+        self._failure = str(error)
 
     # -- DeviceGraph -------------------------------------------------------------------------------
     def replay(self) -> None:
@@ -799,7 +855,6 @@ class SimGraph:
 
         A capture still in progress into this graph on this thread is abandoned first.
         """
-        _sweep_orphans()
         _settle_failed()
         capture = _tls.capture
         if capture is not None and capture.graph is self:
@@ -809,6 +864,7 @@ class SimGraph:
         elif self._capturing_thread is not None:
             raise CaptureError(f"cannot reset {self!r} while another thread captures into it")
         self._program = None
+        self._failure = None
         self._kernel_keys = None
         self._keepalive = ()
         self._pool = None
@@ -859,7 +915,6 @@ def begin_capture(graph: SimGraph, pool: SimPool | None = None) -> None:
         raise CaptureError(f"the CPU simulator captures into a SimGraph (from new_graph()), got {graph!r}")
     if pool is not None and not isinstance(pool, SimPool):
         raise CaptureError(f"the CPU simulator needs a SimPool (from graph_pool_handle()), got {pool!r}")
-    _sweep_orphans()
     _settle_failed()
     current = _tls.capture
     if current is not None:
@@ -883,7 +938,6 @@ def end_capture(graph: SimGraph) -> None:
     Raises :class:`CaptureError` if ``graph`` is not capturing on this thread, including when a capture
     rule already ended its capture (the error then repeats the original one).
     """
-    _sweep_orphans()
     failed = _settle_failed()
     if failed is not None and failed.graph is graph and failed.error is not None:
         raise CaptureError(
@@ -915,7 +969,6 @@ def record_opaque(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     The recorder is off while ``fn`` runs (it may run compiled code no dispatch mode sees); replay calls
     ``fn`` again with the same arguments and copies its tensor results into the captured ones.
     """
-    _sweep_orphans()
     _settle_failed()
     capture = _tls.capture
     if capture is None or capture.paused or _tls.in_op:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.breaks import BreakOp
+from devgraph.breaks import BreakOp, break_op_for
 from devgraph.platform import DeviceGraph
 
 __all__ = ["BreakCall", "SegmentedPlan", "copy_into"]
@@ -36,12 +37,53 @@ class BreakCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     outputs: Any
+    _call: Callable[[], Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._call = _bind_replay(self.op, self.args, self.kwargs)
 
     def run(self) -> None:
         """Run the op eagerly on its captured inputs and write the result where the next segment reads it."""
-        op = self.op
-        fresh = op.run_eager(self.args, self.kwargs) if isinstance(op, BreakOp) else op(*self.args, **self.kwargs)
-        copy_into(self.outputs, fresh)
+        copy_into(self.outputs, self._call())
+
+
+def _bind_replay(
+    op: BreakOp | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[], Any]:
+    """The cheapest zero-argument call that runs ``op`` on its captured arguments at replay.
+
+    A :class:`BreakOp` calls its Python function directly (see :meth:`BreakOp.replay_fn`). ``tc_piecewise``
+    records an FX submodule holding one break-op node; calling it costs a module call plus the dispatcher,
+    so when the submodule is exactly ``placeholders -> break op -> output`` the op's function is bound to
+    the node's arguments instead. Anything else is called as recorded.
+    """
+    if isinstance(op, BreakOp):
+        return partial(op.replay_fn(), *args, **kwargs)
+    graph = getattr(op, "graph", None)
+    if isinstance(graph, torch.fx.Graph) and not kwargs:
+        direct = _bind_fx_break(graph, args)
+        if direct is not None:
+            return direct
+    return partial(op, *args, **kwargs)
+
+
+def _bind_fx_break(graph: torch.fx.Graph, args: tuple[Any, ...]) -> Callable[[], Any] | None:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    calls = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    outputs = [n for n in graph.nodes if n.op == "output"]
+    if len(placeholders) != len(args) or len(calls) != 1 or len(outputs) != 1:
+        return None
+    node = calls[0]
+    break_op = break_op_for(node.target) if node.op == "call_function" else None
+    if break_op is None or outputs[0].args[0] is not node:
+        return None
+    values = {p: a for p, a in zip(placeholders, args, strict=True)}
+    try:
+        bound_args = torch.fx.node.map_arg(node.args, lambda n: values[n])
+        bound_kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n])
+    except KeyError:
+        return None
+    return partial(break_op.replay_fn(), *bound_args, **bound_kwargs)
 
 
 class SegmentedPlan:

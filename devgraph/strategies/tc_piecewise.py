@@ -130,7 +130,26 @@ class TcPiecewiseBackend(GraphStrategy):
     # -- compilation -----------------------------------------------------------------------------
     def wrap_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         if self._compiled is None:
-            self._compiled = torch.compile(forward, backend=self._dynamo_backend, dynamic=True, fullgraph=True)
+            compiled = torch.compile(forward, backend=self._dynamo_backend, dynamic=True, fullgraph=True)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return compiled(*args, **kwargs)
+                except torch._dynamo.exc.Unsupported as exc:
+                    first_line = str(exc).strip().splitlines()[0]
+                    raise CaptureError(
+                        f"torch.compile cannot trace the forward as one graph ({first_line}); tc_piecewise needs "
+                        "a forward without dynamo graph breaks: move the offending code into a "
+                        "@devgraph.graph_break op, or use the 'breakable' mode"
+                    ) from exc
+                except torch._dynamo.exc.BackendCompilerFailed as exc:
+                    # Dynamo wraps whatever our backend raises; hand devgraph's own error back unwrapped.
+                    inner = getattr(exc, "inner_exception", None)
+                    if isinstance(inner, RecompileError):
+                        raise inner from None
+                    raise
+
+            self._compiled = call
         return self._compiled
 
     def _dynamo_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -175,14 +194,6 @@ class TcPiecewiseBackend(GraphStrategy):
         self._recorder = recorder
         try:
             outputs = forward_fn()
-        except torch._dynamo.exc.Unsupported as exc:
-            recorder.abort()
-            raise CaptureError(
-                f"torch.compile cannot trace the forward as one graph ({exc}); tc_piecewise needs a forward "
-                "without dynamo graph breaks: move the offending code into a @devgraph.graph_break op, or "
-                "use the 'breakable' mode",
-                size=key,
-            ) from exc
         except BaseException:
             recorder.abort()
             raise
