@@ -197,6 +197,18 @@ def test_composite_reshapes_and_unsafe_views_replay(platform: CpuSimPlatform) ->
     torch.testing.assert_close(out, torch.matmul(a, b).reshape(6, 5).softmax(-1))
 
 
+def test_alias_annotated_op_that_copies_is_re_run(platform: CpuSimPlatform) -> None:
+    x = torch.arange(6.0).view(2, 3)
+    with torch.inference_mode():  # autograd off: reshape reaches the recorder whole, not decomposed
+        graph, (flat, view) = _capture(platform, lambda: (x.t().reshape(6), x.reshape(6)))
+    assert flat.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # copied: not a view
+    assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # a real view
+    x.add_(10)
+    graph.replay()
+    assert flat.tolist() == x.t().reshape(6).tolist()
+    assert view.tolist() == x.reshape(6).tolist()
+
+
 def test_capture_in_inference_mode_replays_outside_it(platform: CpuSimPlatform) -> None:
     x = torch.randn(3)
     with torch.inference_mode():
