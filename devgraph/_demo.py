@@ -1,4 +1,4 @@
-"""``devgraph demo``: the reference model's decode and prefill, eager vs graphs, on the best device present."""
+"""``devgraph demo``: the reference model's decode and prefill, eager vs graphs, on the best device here."""
 
 from __future__ import annotations
 
@@ -76,20 +76,31 @@ def _measure(runner: GraphRunner, batch: dict[str, torch.Tensor], context: Any, 
 
     eager_ms = _median_ms(eager, platform, iters)
     graph_ms = _median_ms(lambda: runner.run(n, context, **batch), platform, iters)
-    return DemoRow(runner.phase, n, result.size if result.replayed else None, eager_ms, graph_ms,
-                   result.max_abs_diff, result.max_abs_diff_unpadded)
+    return DemoRow(
+        runner.phase,
+        n,
+        result.size if result.replayed else None,
+        eager_ms,
+        graph_ms,
+        result.max_abs_diff,
+        result.max_abs_diff_unpadded,
+    )
 
 
 def _print_table(title: str, rows: list[DemoRow]) -> None:
     print(f"\n{title}")
-    header = f"  {'n':>6} {'graph size':>10} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} " \
-             f"{'max|graph-eager|':>17} {'vs eager(n)':>12}"
+    header = (
+        f"  {'n':>6} {'graph size':>10} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} "
+        f"{'max|graph-eager|':>17} {'vs eager(n)':>12}"
+    )
     print(header)
     print("  " + "-" * (len(header) - 2))
     for r in rows:
         size = str(r.size) if r.size is not None else "eager"
-        print(f"  {r.n:>6} {size:>10} {r.eager_ms:>10.3f} {r.graph_ms:>10.3f} {r.speedup:>7.2f}x "
-              f"{r.max_abs_diff:>17.3g} {r.max_abs_diff_unpadded:>12.3g}")
+        print(
+            f"  {r.n:>6} {size:>10} {r.eager_ms:>10.3f} {r.graph_ms:>10.3f} {r.speedup:>7.2f}x "
+            f"{r.max_abs_diff:>17.3g} {r.max_abs_diff_unpadded:>12.3g}"
+        )
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -111,22 +122,44 @@ def run_demo(args: argparse.Namespace) -> int:
     preset = args.preset or ("tiny" if on_cpu else "qwen3-0.6b")
     iters = args.iters or (10 if on_cpu else 20)
     model_config = ReferenceConfig.preset(preset)
-    print(f"devgraph demo: reference model '{preset}' ({model_config.dtype}) on {platform.describe()} [{device}]")
+    print(
+        f"devgraph demo: reference model '{preset}' ({model_config.dtype}) "
+        f"on {platform.describe()} [{device}]"
+    )
     print(f"--device-graph-mode {config.source}")
     model = ReferenceModel(model_config, device=device, seed=args.seed)
     model.randomize_cache(seed=args.seed)
 
     decode_sizes = args.decode_sizes or DEFAULT_DECODE_SIZES
     prefill_sizes = args.prefill_sizes or DEFAULT_PREFILL_SIZES
-    results: dict[str, Any] = {"preset": preset, "device": str(device), "platform": platform.describe(),
-                               "mode": config.source, "phases": {}}
+    results: dict[str, Any] = {
+        "preset": preset,
+        "device": str(device),
+        "platform": platform.describe(),
+        "mode": config.source,
+        "phases": {},
+    }
     phases = (
-        ("decode", decode_runner, decode_sizes,
-         [(make_decode_batch(model, n, seed=args.seed + n), None) for n in
-          _decode_cases(decode_sizes, model_config.max_requests)], decode_context),
-        ("prefill", prefill_runner, prefill_sizes,
-         [(make_prefill_batch(model, lens, seed=args.seed), lens) for lens in _prefill_cases(prefill_sizes)],
-         None),
+        (
+            "decode",
+            decode_runner,
+            decode_sizes,
+            [
+                (make_decode_batch(model, n, seed=args.seed + n), None)
+                for n in _decode_cases(decode_sizes, model_config.max_requests)
+            ],
+            decode_context,
+        ),
+        (
+            "prefill",
+            prefill_runner,
+            prefill_sizes,
+            [
+                (make_prefill_batch(model, lens, seed=args.seed), lens)
+                for lens in _prefill_cases(prefill_sizes)
+            ],
+            None,
+        ),
     )
     for phase, build, sizes, batches, decode_ctx in phases:
         with build(model, config=config, sizes=sizes) as runner:
@@ -137,17 +170,25 @@ def run_demo(args: argparse.Namespace) -> int:
                 context = decode_ctx(batch) if decode_ctx else prefill_context(lens)
                 rows.append(_measure(runner, batch, context, iters))
             _print_table(f"{phase} ({runner.backend.name}): median over {iters} runs", rows)
-            results["phases"][phase] = {"backend": runner.backend.name, "capture": asdict(report),
-                                        "rows": [asdict(r) for r in rows]}
+            results["phases"][phase] = {
+                "backend": runner.backend.name,
+                "capture": asdict(report),
+                "rows": [asdict(r) for r in rows],
+            }
     worst = max(r["max_abs_diff"] for p in results["phases"].values() for r in p["rows"])
     print(f"\nmax |graph - eager| over every size, same padded batch: {worst:.3g}")
     if worst:
-        print("  non-zero where a graph attends over the whole KV-cache window while eager steps trim it to the "
-              "forward context's max_seq_len (float32 sums round differently; see docs/user-guide.md, "
-              "'Checking a runner')")
+        print(
+            "  non-zero where a graph attends over the whole KV-cache window while eager steps trim it to "
+            "the "
+            "forward context's max_seq_len (float32 sums round differently; see docs/user-guide.md, "
+            "'Checking a runner')"
+        )
     if on_cpu:
-        print("note: on the CPU, graphs are simulated (replay re-runs the recorded ops), so they check "
-              "correctness, not speed.")
+        print(
+            "note: on the CPU, graphs are simulated (replay re-runs the recorded ops), so they check "
+            "correctness, not speed."
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2, default=str)

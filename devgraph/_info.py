@@ -29,21 +29,45 @@ def collect_info(registry: Registry | None = None) -> dict[str, Any]:
     platforms = []
     for name, spec in sorted(registry.platforms.items()):
         availability, description = _platform_status(registry, name)
-        platforms.append({"name": name, "origin": spec.origin, "usable": availability.usable,
-                          "reason": availability.reason, "description": description})
+        platforms.append(
+            {
+                "name": name,
+                "origin": spec.origin,
+                "usable": availability.usable,
+                "reason": availability.reason,
+                "description": description,
+            }
+        )
     backends = []
     for (platform_name, name), spec in sorted(registry.backends.items()):
         try:
             availability = spec.cls.availability(registry.platform(platform_name))
         except Exception as exc:
             availability = Availability(False, f"availability check failed: {type(exc).__name__}: {exc}")
-        backends.append({"platform": platform_name, "name": name, "phases": sorted(spec.phases),
-                         "default_for": sorted(spec.default_for), "origin": spec.origin,
-                         "usable": availability.usable, "reason": availability.reason, "class": spec.cls.__qualname__})
-    plugins = [{"name": p.name, "origin": p.origin, "status": p.status, "error": p.error, "provides": p.provides}
-               for p in registry.plugins]
-    return {"torch": torch.__version__, "platforms": platforms, "backends": backends, "plugins": plugins,
-            "rules": [r.name for r in registry.rules], "phases": list(PHASES)}
+        backends.append(
+            {
+                "platform": platform_name,
+                "name": name,
+                "phases": sorted(spec.phases),
+                "default_for": sorted(spec.default_for),
+                "origin": spec.origin,
+                "usable": availability.usable,
+                "reason": availability.reason,
+                "class": spec.cls.__qualname__,
+            }
+        )
+    plugins = [
+        {"name": p.name, "origin": p.origin, "status": p.status, "error": p.error, "provides": p.provides}
+        for p in registry.plugins
+    ]
+    return {
+        "torch": torch.__version__,
+        "platforms": platforms,
+        "backends": backends,
+        "plugins": plugins,
+        "rules": [r.name for r in registry.rules],
+        "phases": list(PHASES),
+    }
 
 
 def run_info(*, as_json: bool = False) -> int:

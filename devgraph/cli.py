@@ -29,20 +29,37 @@ def _sizes(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="devgraph", description="Device-graph capture and replay for PyTorch engines")
+    parser = _OneLineParser(
+        prog="devgraph", description="Device-graph capture and replay for PyTorch engines"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     info = sub.add_parser("info", help="platforms, plug-ins and backends, and what is usable here")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     demo = sub.add_parser("demo", help="run the reference model eagerly and through graphs; print a table")
-    demo.add_argument("--device-graph-mode", default="auto", metavar="MODE",
-                      help="auto | disabled | decode=full,prefill=breakable | JSON (see docs/flag.md)")
+    demo.add_argument(
+        "--device-graph-mode",
+        default="auto",
+        metavar="MODE",
+        help="auto | disabled | decode=full,prefill=breakable | JSON (see docs/flag.md)",
+    )
     demo.add_argument("--device", default=None, help="torch device (default: the best device present)")
-    demo.add_argument("--preset", default=None, help="reference model preset (default: tiny on CPU, "
-                      "qwen3-0.6b on a GPU)")
-    demo.add_argument("--decode-sizes", type=_sizes, default=None, metavar="N,N,..",
-                      help="decode batch sizes to capture (default: 1,2,4,8,16)")
-    demo.add_argument("--prefill-sizes", type=_sizes, default=None, metavar="N,N,..",
-                      help="prefill token counts to capture (default: 16,32,64,128)")
+    demo.add_argument(
+        "--preset", default=None, help="reference model preset (default: tiny on CPU, qwen3-0.6b on a GPU)"
+    )
+    demo.add_argument(
+        "--decode-sizes",
+        type=_sizes,
+        default=None,
+        metavar="N,N,..",
+        help="decode batch sizes to capture (default: 1,2,4,8,16)",
+    )
+    demo.add_argument(
+        "--prefill-sizes",
+        type=_sizes,
+        default=None,
+        metavar="N,N,..",
+        help="prefill token counts to capture (default: 16,32,64,128)",
+    )
     demo.add_argument("--iters", type=int, default=None, help="timed repetitions per size (median reported)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")

@@ -25,8 +25,11 @@ from devgraph.rules import Downgrade, apply_rules
 __all__ = ["PhaseConfig", "DeviceGraphConfig", "ResolvedPhase", "add_device_graph_args", "FLAG", "GRAMMAR"]
 
 FLAG = "--device-graph-mode"
-GRAMMAR = ("auto | disabled | MODE | phase=MODE[,phase=MODE] | JSON object "
-           '{"decode": MODE, "prefill": {"backend": MODE, "sizes": [..], "max_size": N, "compiler": "eager"|"inductor"}}')
+GRAMMAR = (
+    "auto | disabled | MODE | phase=MODE[,phase=MODE] | JSON object "
+    '{"decode": MODE, "prefill": {"backend": MODE, "sizes": [..], "max_size": N, '
+    '"compiler": "eager"|"inductor"}}'
+)
 _SPECIAL_MODES = ("auto", "disabled", "eager")
 _PHASE_KEYS = ("backend", "sizes", "max_size", "compiler")
 _COMPILERS = ("eager", "inductor")
@@ -63,7 +66,9 @@ def _bad(value: Any, what: str, accepted: Iterable[str], source: str) -> ConfigE
     accepted = list(accepted)
     close = difflib.get_close_matches(str(value), accepted, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"{FLAG} {source!r}: {what} {value!r} is not valid{hint}; accepted: {', '.join(accepted)}")
+    return ConfigError(
+        f"{FLAG} {source!r}: {what} {value!r} is not valid{hint}; accepted: {', '.join(accepted)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class DeviceGraphConfig:
 
     @classmethod
     def parse(cls, text: str | None, *, known_modes: Iterable[str] | None = None) -> DeviceGraphConfig:
-        """Parse a ``--device-graph-mode`` value; raise :class:`ConfigError` saying what is wrong and accepted."""
+        """Parse a ``--device-graph-mode`` value; :class:`ConfigError` says what is wrong and accepted."""
         source = "auto" if text is None else str(text).strip()
         modes = list(known_modes) if known_modes is not None else _known_modes()
         if not source:
@@ -88,7 +93,9 @@ class DeviceGraphConfig:
         phases: dict[str, PhaseConfig] = {}
         for item in source.split(","):
             if item.count("=") != 1:
-                raise ConfigError(f"{FLAG} {source!r}: {item.strip()!r} is not phase=MODE; accepted: {GRAMMAR}")
+                raise ConfigError(
+                    f"{FLAG} {source!r}: {item.strip()!r} is not phase=MODE; accepted: {GRAMMAR}"
+                )
             phase, mode = (part.strip() for part in item.split("="))
             cls._phase(phase, source, phases)
             phases[phase] = PhaseConfig(backend=cls._mode(mode, source, modes))
@@ -112,10 +119,13 @@ class DeviceGraphConfig:
         try:
             data = json.loads(source)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{FLAG} {source!r} is not valid JSON ({exc.msg} at column {exc.colno}); "
-                              f"accepted: {GRAMMAR}") from None
+            raise ConfigError(
+                f"{FLAG} {source!r} is not valid JSON ({exc.msg} at column {exc.colno}); accepted: {GRAMMAR}"
+            ) from None
         if not isinstance(data, dict):
-            raise ConfigError(f"{FLAG} {source!r}: JSON must be an object keyed by phase; accepted: {GRAMMAR}")
+            raise ConfigError(
+                f"{FLAG} {source!r}: JSON must be an object keyed by phase; accepted: {GRAMMAR}"
+            )
         phases: dict[str, PhaseConfig] = {}
         for phase, value in data.items():
             cls._phase(phase, source, phases)
@@ -127,26 +137,36 @@ class DeviceGraphConfig:
         if isinstance(value, str):
             return PhaseConfig(backend=cls._mode(value, source, modes))
         if not isinstance(value, dict):
-            raise ConfigError(f"{FLAG} {source!r}: phase {phase!r} must be a mode name or an object with keys "
-                              f"{', '.join(_PHASE_KEYS)}")
+            raise ConfigError(
+                f"{FLAG} {source!r}: phase {phase!r} must be a mode name or an object with keys "
+                f"{', '.join(_PHASE_KEYS)}"
+            )
         unknown = set(value) - set(_PHASE_KEYS)
         if unknown:
             raise _bad(sorted(unknown)[0], f"key in phase {phase!r}:", _PHASE_KEYS, source)
         backend = cls._mode(value.get("backend", "auto"), source, modes)
         sizes = value.get("sizes")
-        if sizes is not None and (not isinstance(sizes, list) or not all(_positive_int(s) for s in sizes) or not sizes):
-            raise ConfigError(f"{FLAG} {source!r}: {phase}.sizes must be a non-empty list of positive integers, "
-                              f"got {sizes!r}")
+        if sizes is not None and (
+            not isinstance(sizes, list) or not all(_positive_int(s) for s in sizes) or not sizes
+        ):
+            raise ConfigError(
+                f"{FLAG} {source!r}: {phase}.sizes must be a non-empty list of positive integers, "
+                f"got {sizes!r}"
+            )
         max_size = value.get("max_size")
         if max_size is not None and not _positive_int(max_size):
-            raise ConfigError(f"{FLAG} {source!r}: {phase}.max_size must be a positive integer, got {max_size!r}")
+            raise ConfigError(
+                f"{FLAG} {source!r}: {phase}.max_size must be a positive integer, got {max_size!r}"
+            )
         compiler = value.get("compiler")
         if compiler is not None:
             if compiler not in _COMPILERS:
                 raise _bad(compiler, f"{phase}.compiler", _COMPILERS, source)
             if backend not in ("tc_piecewise", "auto"):
-                raise ConfigError(f"{FLAG} {source!r}: {phase}.compiler applies to tc_piecewise only, "
-                                  f"but the backend is {backend!r}")
+                raise ConfigError(
+                    f"{FLAG} {source!r}: {phase}.compiler applies to tc_piecewise only, "
+                    f"but the backend is {backend!r}"
+                )
         return PhaseConfig(backend, tuple(sizes) if sizes else None, max_size, compiler)
 
     def for_phase(self, phase: str) -> PhaseConfig:
@@ -161,8 +181,9 @@ class DeviceGraphConfig:
         registry = get_registry()
         phase_config = self.for_phase(phase)
         backend = resolve_mode(platform, phase, phase_config.backend, registry)
-        backend, downgrades = apply_rules(phase, backend, {**(features or {}), "platform": platform},
-                                          registry.rules)
+        backend, downgrades = apply_rules(
+            phase, backend, {**(features or {}), "platform": platform}, registry.rules
+        )
         return ResolvedPhase(phase, platform, backend, phase_config, tuple(downgrades))
 
     def __str__(self) -> str:
@@ -180,7 +201,9 @@ def _argparse_type(text: str) -> DeviceGraphConfig:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_device_graph_args(parser: argparse.ArgumentParser, *, default: str = "auto") -> argparse.ArgumentParser:
+def add_device_graph_args(
+    parser: argparse.ArgumentParser, *, default: str = "auto"
+) -> argparse.ArgumentParser:
     """Add ``--device-graph-mode`` to an engine's argument parser; the parsed value is a DeviceGraphConfig."""
     parser.add_argument(
         FLAG,

@@ -12,8 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["forward_context", "get_forward_context", "is_capturing", "is_replaying", "capture_flag",
-           "replay_flag"]
+__all__ = [
+    "forward_context",
+    "get_forward_context",
+    "is_capturing",
+    "is_replaying",
+    "capture_flag",
+    "replay_flag",
+]
 
 
 class _State(threading.local):

@@ -91,8 +91,9 @@ def create_backend(
     platform = resolve_platform(device, registry)
     if isinstance(options, Mapping):
         known = {"compiler"}
-        options = BackendOptions(compiler=options.get("compiler"),
-                                 extra={k: v for k, v in options.items() if k not in known})
+        options = BackendOptions(
+            compiler=options.get("compiler"), extra={k: v for k, v in options.items() if k not in known}
+        )
     name = resolve_mode(platform.name, phase, mode, registry)
     if name == "eager":
         return EagerBackend(platform, phase=phase, options=options)
@@ -106,9 +107,13 @@ def create_backend(
             f"{', '.join(available + ['eager'])}){hint}"
         )
     if phase not in spec.phases:
-        raise ConfigError(f"backend {platform.name}:{name} does not support phase {phase!r} "
-                          f"(it supports {', '.join(sorted(spec.phases))})")
+        raise ConfigError(
+            f"backend {platform.name}:{name} does not support phase {phase!r} "
+            f"(it supports {', '.join(sorted(spec.phases))})"
+        )
     availability = spec.cls.availability(platform)
     if not availability:
-        raise BackendUnavailableError(f"backend {platform.name}:{name} cannot run here: {availability.reason}")
+        raise BackendUnavailableError(
+            f"backend {platform.name}:{name} cannot run here: {availability.reason}"
+        )
     return spec.cls(platform, phase=phase, options=options)

@@ -18,8 +18,13 @@ from typing import Any
 
 import pluggy
 
-__all__ = ["hookimpl", "hookspec", "devgraph_register_platforms", "devgraph_register_backends",
-           "devgraph_compatibility_rules"]
+__all__ = [
+    "hookimpl",
+    "hookspec",
+    "devgraph_register_platforms",
+    "devgraph_register_backends",
+    "devgraph_compatibility_rules",
+]
 
 hookspec = pluggy.HookspecMarker("devgraph")
 hookimpl = pluggy.HookimplMarker("devgraph")

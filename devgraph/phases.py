@@ -6,7 +6,8 @@ __all__ = ["PHASES", "check_phase"]
 
 from devgraph.errors import ConfigError
 
-#: decode: one token per request (sizes are batch sizes); prefill / encode: packed tokens (sizes are token counts).
+#: decode: one token per request (sizes are batch sizes);
+#: prefill / encode: packed tokens (sizes are token counts).
 PHASES: tuple[str, ...] = ("decode", "prefill", "encode")
 
 

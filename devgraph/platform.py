@@ -128,7 +128,7 @@ class GraphPlatform(ABC):
         """Bytes the device allocator holds now (capture reports the growth per size); 0 if unknown."""
         return 0
 
-    def empty_cache(self) -> None:
+    def empty_cache(self) -> None:  # noqa: B027 - optional hook; devices without a cache need nothing
         """Return cached, unused device memory to the device."""
 
     @contextlib.contextmanager

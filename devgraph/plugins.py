@@ -26,8 +26,16 @@ from devgraph.phases import PHASES
 from devgraph.platform import GraphPlatform
 from devgraph.rules import BUILTIN_RULES, CompatibilityRule
 
-__all__ = ["BackendSpec", "PlatformSpec", "PluginRecord", "Registry", "get_registry", "register_backend",
-           "reset_registry", "ENTRY_POINT_GROUP"]
+__all__ = [
+    "BackendSpec",
+    "PlatformSpec",
+    "PluginRecord",
+    "Registry",
+    "get_registry",
+    "register_backend",
+    "reset_registry",
+    "ENTRY_POINT_GROUP",
+]
 
 logger = logging.getLogger("devgraph.plugins")
 
@@ -117,8 +125,9 @@ class Registry:
                 continue
             seen.add(ep.name)
             if allowed is not None and ep.name not in allowed:
-                self.plugins.append(PluginRecord(ep.name, _dist_label(ep), "skipped",
-                                                 "not listed in DEVGRAPH_PLUGINS"))
+                self.plugins.append(
+                    PluginRecord(ep.name, _dist_label(ep), "skipped", "not listed in DEVGRAPH_PLUGINS")
+                )
                 continue
             self._add_plugin(ep.name, _dist_label(ep), ep.load)
 
@@ -148,8 +157,9 @@ class Registry:
     def _fail(self, record: PluginRecord, message: str, exc: BaseException) -> None:
         record.status = "failed"
         record.error = f"{record.error}; {message}" if record.error else message
-        logger.warning("devgraph plug-in %r (%s) %s; other plug-ins keep working", record.name, record.origin,
-                       message)
+        logger.warning(
+            "devgraph plug-in %r (%s) %s; other plug-ins keep working", record.name, record.origin, message
+        )
         logger.debug("".join(traceback.format_exception(exc)))
 
     # -- register callbacks handed to hooks ------------------------------------------------------
@@ -161,10 +171,17 @@ class Registry:
         return register
 
     def _backend_register(self, origin: str, record: PluginRecord) -> Callable[..., None]:
-        def register(cls: type[DeviceGraphBackend], *, name: str | None = None, platform: str,
-                     phases: Iterable[str] = PHASES, default_for: Iterable[str] = ()) -> None:
-            spec = self.add_backend(cls, name=name, platform=platform, phases=phases, default_for=default_for,
-                                    origin=origin)
+        def register(
+            cls: type[DeviceGraphBackend],
+            *,
+            name: str | None = None,
+            platform: str,
+            phases: Iterable[str] = PHASES,
+            default_for: Iterable[str] = (),
+        ) -> None:
+            spec = self.add_backend(
+                cls, name=name, platform=platform, phases=phases, default_for=default_for, origin=origin
+            )
             record.provides.append(f"backend {spec.platform}:{spec.name}")
 
         return register
@@ -192,32 +209,48 @@ class Registry:
             self.platforms[name] = spec
             return spec
 
-    def add_backend(self, cls: type[DeviceGraphBackend], *, name: str | None, platform: str,
-                    phases: Iterable[str] = PHASES, default_for: Iterable[str] = (), origin: str) -> BackendSpec:
+    def add_backend(
+        self,
+        cls: type[DeviceGraphBackend],
+        *,
+        name: str | None,
+        platform: str,
+        phases: Iterable[str] = PHASES,
+        default_for: Iterable[str] = (),
+        origin: str,
+    ) -> BackendSpec:
         if not (isinstance(cls, type) and issubclass(cls, DeviceGraphBackend)):
-            raise RegistrationError(f"{cls!r} is not a DeviceGraphBackend subclass; backends must derive from it")
+            raise RegistrationError(
+                f"{cls!r} is not a DeviceGraphBackend subclass; backends must derive from it"
+            )
         name = name or cls.name
         phases_set = frozenset(phases)
         default_set = frozenset(default_for)
         unknown = (phases_set | default_set) - set(PHASES)
         if unknown:
-            raise RegistrationError(f"backend {platform}:{name} names unknown phases {sorted(unknown)}; "
-                                    f"accepted: {', '.join(PHASES)}")
+            raise RegistrationError(
+                f"backend {platform}:{name} names unknown phases {sorted(unknown)}; "
+                f"accepted: {', '.join(PHASES)}"
+            )
         if not default_set <= phases_set:
-            raise RegistrationError(f"backend {platform}:{name} is default_for {sorted(default_set - phases_set)} "
-                                    "but does not list those phases in phases=")
+            raise RegistrationError(
+                f"backend {platform}:{name} is default_for {sorted(default_set - phases_set)} "
+                "but does not list those phases in phases="
+            )
         with self._lock:
             existing = self.backends.get((platform, name))
             if existing is not None:
                 raise RegistrationError(
-                    f"backend {name!r} for platform {platform!r} is registered twice: by {existing.origin} and "
+                    f"backend {name!r} for platform {platform!r} is registered twice: "
+                    f"by {existing.origin} and "
                     f"by {origin}; uninstall one of them or limit plug-ins with DEVGRAPH_PLUGINS"
                 )
             for phase in default_set:
                 clash = self.default_spec(platform, phase)
                 if clash is not None:
                     raise RegistrationError(
-                        f"backends {platform}:{clash.name} ({clash.origin}) and {platform}:{name} ({origin}) both "
+                        f"backends {platform}:{clash.name} ({clash.origin}) and "
+                        f"{platform}:{name} ({origin}) both "
                         f"claim to be the default for phase {phase!r}; only one may"
                     )
             spec = BackendSpec(name, platform, cls, phases_set, default_set, origin)
@@ -226,7 +259,9 @@ class Registry:
 
     # -- queries ---------------------------------------------------------------------------------
     def default_spec(self, platform: str, phase: str) -> BackendSpec | None:
-        return next((s for s in self.backends.values() if s.platform == platform and phase in s.default_for), None)
+        return next(
+            (s for s in self.backends.values() if s.platform == platform and phase in s.default_for), None
+        )
 
     def platform(self, name: str) -> GraphPlatform:
         """The (cached) platform instance registered as ``name``."""
@@ -236,7 +271,8 @@ class Registry:
             from devgraph.errors import BackendUnavailableError
 
             raise BackendUnavailableError(
-                f"no plug-in provides platform {name!r} (known: {', '.join(sorted(self.platforms)) or 'none'}); "
+                f"no plug-in provides platform {name!r} "
+                f"(known: {', '.join(sorted(self.platforms)) or 'none'}); "
                 f"install devgraph-{name} or check `devgraph info` for plug-ins that failed to load"
             )
         instance = self._instances.get(name)
@@ -271,17 +307,38 @@ def reset_registry(registry: Registry | None = None) -> None:
 
 
 @overload
-def register_backend(cls: B, /, *, name: str | None = ..., platform: str, phases: Iterable[str] = ...,
-                     default_for: Iterable[str] = ...) -> B: ...
+def register_backend(
+    cls: B,
+    /,
+    *,
+    name: str | None = ...,
+    platform: str,
+    phases: Iterable[str] = ...,
+    default_for: Iterable[str] = ...,
+) -> B: ...
 
 
 @overload
-def register_backend(cls: None = None, /, *, name: str | None = ..., platform: str, phases: Iterable[str] = ...,
-                     default_for: Iterable[str] = ...) -> Callable[[B], B]: ...
+def register_backend(
+    cls: None = None,
+    /,
+    *,
+    name: str | None = ...,
+    platform: str,
+    phases: Iterable[str] = ...,
+    default_for: Iterable[str] = ...,
+) -> Callable[[B], B]: ...
 
 
-def register_backend(cls: B | None = None, /, *, name: str | None = None, platform: str,
-                     phases: Iterable[str] = PHASES, default_for: Iterable[str] = ()) -> Any:
+def register_backend(
+    cls: B | None = None,
+    /,
+    *,
+    name: str | None = None,
+    platform: str,
+    phases: Iterable[str] = PHASES,
+    default_for: Iterable[str] = (),
+) -> Any:
     """Register a backend directly, as a call or as a class decorator.
 
     ``register_backend(MyBackend, name="full", platform="mychip")`` or::
@@ -294,8 +351,9 @@ def register_backend(cls: B | None = None, /, *, name: str | None = None, platfo
 
     def apply(target: B) -> B:
         origin = f"register_backend() in {target.__module__}"
-        get_registry().add_backend(target, name=name, platform=platform, phases=phases, default_for=default_for,
-                                   origin=origin)
+        get_registry().add_backend(
+            target, name=name, platform=platform, phases=phases, default_for=default_for, origin=origin
+        )
         return target
 
     return apply(cls) if cls is not None else apply

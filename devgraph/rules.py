@@ -63,8 +63,14 @@ def apply_rules(
         if rule is None:
             return backend, applied
         step = Downgrade(phase, backend, rule.downgrade_to, rule.name, rule.reason)
-        logger.warning("devgraph: %s phase: %s -> %s (rule %r: %s)", phase, backend, rule.downgrade_to,
-                       rule.name, rule.reason)
+        logger.warning(
+            "devgraph: %s phase: %s -> %s (rule %r: %s)",
+            phase,
+            backend,
+            rule.downgrade_to,
+            rule.name,
+            rule.reason,
+        )
         applied.append(step)
         backend = rule.downgrade_to
     raise ConfigError(f"compatibility rules loop for phase {phase!r}: {[d.rule for d in applied]}")
@@ -87,7 +93,8 @@ BUILTIN_RULES: tuple[CompatibilityRule, ...] = (
     ),
     CompatibilityRule(
         name="dynamic-lora-needs-breaks",
-        reason="LoRA adapters that change per batch (features['dynamic_lora']) cannot be baked into one graph",
+        reason="LoRA adapters that change per batch (features['dynamic_lora']) "
+        "cannot be baked into one graph",
         when=lambda f: bool(f.get("dynamic_lora")),
         downgrade_to="breakable",
         backends=frozenset({"full"}),

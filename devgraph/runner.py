@@ -62,9 +62,14 @@ class CaptureReport:
         return sum(s.bytes for s in self.sizes)
 
     def table(self) -> str:
-        lines = [f"{self.phase}: {self.backend} on {self.platform}, {len(self.sizes)} sizes in {self.seconds:.2f}s, "
-                 f"{self.bytes / 2**20:.1f} MiB"]
-        lines += [f"  size {s.size:>6}  {s.seconds * 1e3:9.1f} ms  {s.bytes / 2**20:9.2f} MiB" for s in self.sizes]
+        lines = [
+            f"{self.phase}: {self.backend} on {self.platform}, "
+            f"{len(self.sizes)} sizes in {self.seconds:.2f}s, "
+            f"{self.bytes / 2**20:.1f} MiB"
+        ]
+        lines += [
+            f"  size {s.size:>6}  {s.seconds * 1e3:9.1f} ms  {s.bytes / 2**20:9.2f} MiB" for s in self.sizes
+        ]
         return "\n".join(lines)
 
 
@@ -97,16 +102,21 @@ class VerifyResult:
 def _default_rtol(outputs: Any) -> float:
     from torch.utils import _pytree as pytree
 
-    low_precision = any(isinstance(t, torch.Tensor) and t.element_size() <= 2 and t.is_floating_point()
-                        for t in pytree.tree_leaves(outputs))
+    low_precision = any(
+        isinstance(t, torch.Tensor) and t.element_size() <= 2 and t.is_floating_point()
+        for t in pytree.tree_leaves(outputs)
+    )
     return 2e-2 if low_precision else 1e-4
 
 
 def _max_abs(outputs: Any) -> float:
     from torch.utils import _pytree as pytree
 
-    values = [t.detach().abs().max().item() for t in pytree.tree_leaves(outputs)
-              if isinstance(t, torch.Tensor) and t.numel() and (t.is_floating_point() or t.is_complex())]
+    values = [
+        t.detach().abs().max().item()
+        for t in pytree.tree_leaves(outputs)
+        if isinstance(t, torch.Tensor) and t.numel() and (t.is_floating_point() or t.is_complex())
+    ]
     return max(values, default=0.0)
 
 
@@ -156,7 +166,9 @@ class GraphRunner:
         if not inputs:
             raise ConfigError("GraphRunner needs at least one StaticInput (the step's size is read from it)")
         if mode is not None and config is not None:
-            raise ConfigError("pass either mode= (one strategy name) or config= (a --device-graph-mode value)")
+            raise ConfigError(
+                "pass either mode= (one strategy name) or config= (a --device-graph-mode value)"
+            )
         self.input_specs = dict(inputs)
         self.warmup_iters = warmup_iters
         self.capture_context = capture_context
@@ -173,8 +185,9 @@ class GraphRunner:
         self.resolved: ResolvedPhase = config.resolve(self.phase, platform.name, features)
         phase_config = self.resolved.config
         options = {"compiler": phase_config.compiler or compiler}
-        self.backend = backend or create_backend(device or platform.default_device(), self.phase,
-                                                 self.resolved.backend, options=options)
+        self.backend = backend or create_backend(
+            device or platform.default_device(), self.phase, self.resolved.backend, options=options
+        )
         self.platform = self.backend.platform
         self.device = torch.device(device) if device is not None else self.platform.default_device()
 
@@ -293,13 +306,17 @@ class GraphRunner:
         if translated is not None:
             detail = str(translated)
         elif isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
-            detail = (f"out of device memory ({exc}). Lower max_size (now {self.schedule.max}) or capture fewer "
-                      "sizes, leave more memory free (a smaller KV cache), or disable graphs for this phase "
-                      f"with --device-graph-mode '{self.phase}=disabled'")
+            detail = (
+                f"out of device memory ({exc}). Lower max_size (now {self.schedule.max}) or capture fewer "
+                "sizes, leave more memory free (a smaller KV cache), or disable graphs for this phase "
+                f"with --device-graph-mode '{self.phase}=disabled'"
+            )
         else:
-            detail = (f"{type(exc).__name__}: {exc}. Lower the sizes, switch this phase to another mode "
-                      f"(--device-graph-mode '{self.phase}=breakable' or '{self.phase}=disabled'), or move the "
-                      "failing op into a @devgraph.graph_break op")
+            detail = (
+                f"{type(exc).__name__}: {exc}. Lower the sizes, switch this phase to another mode "
+                f"(--device-graph-mode '{self.phase}=breakable' or '{self.phase}=disabled'), or move the "
+                "failing op into a @devgraph.graph_break op"
+            )
         op = getattr(exc, "op", None)
         return CaptureError(
             f"capturing the {self.phase} graph for size {size} with backend {self.backend.name} on "
@@ -346,8 +363,10 @@ class GraphRunner:
         if inputs.keys() != self.input_specs.keys():
             missing = sorted(self.input_specs.keys() - inputs.keys())
             extra = sorted(inputs.keys() - self.input_specs.keys())
-            raise InputError(f"{self.phase} runner inputs do not match its StaticInputs: missing {missing}, "
-                             f"unexpected {extra}; pass exactly {sorted(self.input_specs)}")
+            raise InputError(
+                f"{self.phase} runner inputs do not match its StaticInputs: missing {missing}, "
+                f"unexpected {extra}; pass exactly {sorted(self.input_specs)}"
+            )
 
     def _stage(self, n: int, size: int, inputs: Mapping[str, torch.Tensor]) -> None:
         """Validate every input, then copy them into the static buffers and fill padding rows."""
@@ -372,14 +391,20 @@ class GraphRunner:
     def _input_error(self, name: str, value: Any, n: int) -> InputError:
         buf = self._buffers[name]
         expected = f"{buf.dtype} on {buf.device} with shape ({n}, {', '.join(map(str, buf.shape[1:]))})"
-        got = (f"{value.dtype} on {value.device} with shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-               else type(value).__name__)
-        return InputError(f"{self.phase} input {name!r}: expected {expected} (static buffer {tuple(buf.shape)}), "
-                          f"got {got}; nothing was written")
+        got = (
+            f"{value.dtype} on {value.device} with shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        return InputError(
+            f"{self.phase} input {name!r}: expected {expected} (static buffer {tuple(buf.shape)}), "
+            f"got {got}; nothing was written"
+        )
 
     # -- checks ----------------------------------------------------------------------------------
-    def verify(self, n: int | None = None, context: Any = None, *, rtol: float | None = None,
-               **inputs: torch.Tensor) -> VerifyResult:
+    def verify(
+        self, n: int | None = None, context: Any = None, *, rtol: float | None = None, **inputs: torch.Tensor
+    ) -> VerifyResult:
         """Run the step through the graph and eagerly on the same inputs; report the largest differences.
 
         ``rtol`` bounds the unpadded difference relative to max |eager| (default 1e-4, or 2e-2 for
@@ -397,8 +422,15 @@ class GraphRunner:
                 padded = _slice_rows(self._graph_forward(**self._views(size)), n, size)
         else:
             padded = unpadded
-        return VerifyResult(n, size, replayed, _max_abs_diff(graph_out, padded), _max_abs_diff(graph_out, unpadded),
-                            _max_abs(unpadded), rtol if rtol is not None else _default_rtol(unpadded))
+        return VerifyResult(
+            n,
+            size,
+            replayed,
+            _max_abs_diff(graph_out, padded),
+            _max_abs_diff(graph_out, unpadded),
+            _max_abs(unpadded),
+            rtol if rtol is not None else _default_rtol(unpadded),
+        )
 
     # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -421,8 +453,11 @@ class GraphRunner:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"GraphRunner(phase={self.phase!r}, backend={self.backend.name!r}, platform={self.platform.name!r}, "
-                f"sizes={list(self.schedule.sizes)}, captured={self._captured})")
+        return (
+            f"GraphRunner(phase={self.phase!r}, backend={self.backend.name!r}, "
+            f"platform={self.platform.name!r}, "
+            f"sizes={list(self.schedule.sizes)}, captured={self._captured})"
+        )
 
 
 def _leading_rows(buf: torch.Tensor, size: int) -> torch.Tensor:

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 
 from devgraph.errors import ConfigError
 
-__all__ = ["DEFAULT_DECODE_SIZES", "DEFAULT_PREFILL_SIZES", "SizeSchedule", "default_max_size", "resolve_sizes"]
+__all__ = [
+    "DEFAULT_DECODE_SIZES",
+    "DEFAULT_PREFILL_SIZES",
+    "SizeSchedule",
+    "default_max_size",
+    "resolve_sizes",
+]
 
 logger = logging.getLogger("devgraph.sizes")
 
@@ -55,7 +61,9 @@ class SizeSchedule:
     def __post_init__(self) -> None:
         if not self.sizes:
             raise ConfigError("a size list needs at least one size")
-        table = [self.sizes[0]] + [self.sizes[bisect.bisect_left(self.sizes, n)] for n in range(1, self.max + 1)]
+        table = [self.sizes[0]] + [
+            self.sizes[bisect.bisect_left(self.sizes, n)] for n in range(1, self.max + 1)
+        ]
         object.__setattr__(self, "_table", tuple(table))
 
     @property
@@ -109,6 +117,11 @@ def resolve_sizes(
         return SizeSchedule(tuple(chosen))
     dropped = [s for s in chosen if s > max_size]
     if dropped:
-        logger.warning("devgraph: %s sizes %s exceed max_size=%d and will not be captured (steps that large "
-                       "run eagerly)", phase, dropped, max_size)
+        logger.warning(
+            "devgraph: %s sizes %s exceed max_size=%d and will not be captured (steps that large "
+            "run eagerly)",
+            phase,
+            dropped,
+            max_size,
+        )
     return SizeSchedule(tuple(sorted({s for s in chosen if s <= max_size} | {max_size})))

@@ -8,6 +8,7 @@ nothing but torch.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,8 @@ __all__ = ["TorchCudaGraphPlatform"]
 
 #: One capture stream per device for the process (see ``TorchCudaGraphPlatform.new_stream``).
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+#: id(graph) -> pool of a capture in progress, for abort_capture.
+_CAPTURE_POOLS: dict[int, Any] = {}
 
 
 class TorchCudaGraphPlatform(GraphPlatform):
@@ -38,19 +41,22 @@ class TorchCudaGraphPlatform(GraphPlatform):
 
     def capture_begin(self, graph: DeviceGraph, pool: Any) -> None:
         # Remembered for abort_capture, which must hand the pool back itself when capture_end fails.
-        graph._devgraph_pool = pool  # type: ignore[attr-defined]
+        _CAPTURE_POOLS[id(graph)] = pool
         # thread_local: other threads of the engine (tokenizer, scheduler) may keep using the device.
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[attr-defined]
 
     def capture_end(self, graph: DeviceGraph) -> None:
+        _CAPTURE_POOLS.pop(id(graph), None)
         graph.capture_end()  # type: ignore[attr-defined]
 
     def abort_capture(self, graph: DeviceGraph) -> None:
         ended = False
-        with contextlib.suppress(Exception):
+        # Silence torch's "The CUDA Graph is empty ... wrong device or stream" for a capture cut short.
+        with contextlib.suppress(Exception), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             graph.capture_end()  # type: ignore[attr-defined]
             ended = True
-        pool = getattr(graph, "_devgraph_pool", None)
+        pool = _CAPTURE_POOLS.pop(id(graph), None)
         if not ended and pool is not None:
             # An invalidated capture makes torch's capture_end raise before it tells the caching allocator
             # that the capture is over, and reset() then skips releasing the pool: the pool (and every
@@ -68,11 +74,14 @@ class TorchCudaGraphPlatform(GraphPlatform):
 
     def translate_capture_error(self, error: BaseException, size: int | None) -> CaptureError | None:
         text = str(error)
-        if "operation not permitted when stream is capturing" in text or "cudaErrorStreamCaptureUnsupported" in text:
+        if (
+            "operation not permitted when stream is capturing" in text
+            or "cudaErrorStreamCaptureUnsupported" in text
+        ):
             return CaptureError(
-                f"an op synchronized with the host or used a non-capturable API during capture ({text.splitlines()[0]}); "
-                "remove .item()/.tolist()/.cpu()/nonzero and data-dependent shapes from the captured forward, or "
-                "make that op a @devgraph.graph_break op",
+                "an op synchronized with the host or used a non-capturable API during capture "
+                f"({text.splitlines()[0]}); remove .item()/.tolist()/.cpu()/nonzero and data-dependent shapes "
+                "from the captured forward, or make that op a @devgraph.graph_break op",
                 size=size,
             )
         return None

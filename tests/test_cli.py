@@ -31,8 +31,21 @@ def test_info_json_shows_origins_and_reasons(capsys):
 
 def test_demo_prints_tables_with_zero_difference(capsys, tmp_path):
     out_json = tmp_path / "demo.json"
-    code = main(["demo", "--device-graph-mode", "decode=breakable,prefill=tc_piecewise", "--decode-sizes", "1,4",
-                 "--prefill-sizes", "16,32", "--iters", "1", "--json", str(out_json)])
+    code = main(
+        [
+            "demo",
+            "--device-graph-mode",
+            "decode=breakable,prefill=tc_piecewise",
+            "--decode-sizes",
+            "1,4",
+            "--prefill-sizes",
+            "16,32",
+            "--iters",
+            "1",
+            "--json",
+            str(out_json),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "decode (breakable)" in out and "prefill (tc_piecewise)" in out
@@ -45,8 +58,12 @@ def test_demo_prints_tables_with_zero_difference(capsys, tmp_path):
 
 @pytest.mark.parametrize("mode", ['{"decode": "ful"}', "{decode", "decode=fast"])
 def test_demo_bad_mode_is_one_line_no_traceback(mode):
-    proc = subprocess.run([sys.executable, "-m", "devgraph", "demo", "--device-graph-mode", mode],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "devgraph", "demo", "--device-graph-mode", mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

@@ -14,9 +14,16 @@ def test_auto_picks_platform_defaults():
     assert type(create_backend("cpu", "prefill")) is BreakableBackend
 
 
-@pytest.mark.parametrize(("mode", "cls"), [("full", FullGraphBackend), ("breakable", BreakableBackend),
-                                           ("tc_piecewise", TcPiecewiseBackend), ("disabled", EagerBackend),
-                                           ("eager", EagerBackend)])
+@pytest.mark.parametrize(
+    ("mode", "cls"),
+    [
+        ("full", FullGraphBackend),
+        ("breakable", BreakableBackend),
+        ("tc_piecewise", TcPiecewiseBackend),
+        ("disabled", EagerBackend),
+        ("eager", EagerBackend),
+    ],
+)
 def test_named_modes(mode, cls):
     backend = create_backend("cpu", "prefill", mode)
     assert type(backend) is cls

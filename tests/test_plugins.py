@@ -70,7 +70,9 @@ def test_third_party_distribution_backend_is_created(dist_dir):
 
 
 def test_broken_plugin_is_reported_and_others_work(dist_dir, caplog):
-    write_distribution(dist_dir, "devgraph-broken", {"devgraph_broken": BROKEN_PLUGIN}, {"broken": "devgraph_broken"})
+    write_distribution(
+        dist_dir, "devgraph-broken", {"devgraph_broken": BROKEN_PLUGIN}, {"broken": "devgraph_broken"}
+    )
     registry = Registry().load()
     record = next(p for p in registry.plugins if p.name == "broken")
     assert record.status == "failed"
@@ -124,4 +126,6 @@ def test_bad_registrations(monkeypatch):
     with pytest.raises(RegistrationError, match="unknown phases"):
         registry.add_backend(FullGraphBackend, name="x", platform="cpu", phases=("decod",), origin="test")
     with pytest.raises(RegistrationError, match="default for phase"):
-        registry.add_backend(FullGraphBackend, name="x", platform="cpu", default_for=("decode",), origin="test")
+        registry.add_backend(
+            FullGraphBackend, name="x", platform="cpu", default_for=("decode",), origin="test"
+        )

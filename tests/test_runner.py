@@ -149,7 +149,9 @@ class ForgetfulRunner(GraphRunner):
     """A broken runner that never copies ``idx`` into its static buffer."""
 
     def _stage(self, n, size, inputs):
-        super()._stage(n, size, {k: (self.static_inputs[k][:n] if k == "idx" else v) for k, v in inputs.items()})
+        super()._stage(
+            n, size, {k: (self.static_inputs[k][:n] if k == "idx" else v) for k, v in inputs.items()}
+        )
 
 
 def test_runner_that_forgot_to_copy_an_input_is_caught():
@@ -236,8 +238,13 @@ def test_mode_and_config_are_exclusive():
 
 
 def test_config_string_sets_backend_and_sizes():
-    runner = GraphRunner(Affine(), phase="decode", inputs=INPUTS, device="cpu",
-                         config='{"decode": {"backend": "breakable", "sizes": [2, 6], "max_size": 4}}')
+    runner = GraphRunner(
+        Affine(),
+        phase="decode",
+        inputs=INPUTS,
+        device="cpu",
+        config='{"decode": {"backend": "breakable", "sizes": [2, 6], "max_size": 4}}',
+    )
     assert runner.backend.name == "breakable"
     assert runner.sizes == (2, 4)
 
@@ -246,8 +253,14 @@ def test_host_input_lives_on_cpu_and_tuple_outputs_are_sliced():
     def forward(x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x + 1, x.sum(dim=0)
 
-    runner = GraphRunner(forward, phase="prefill", device="cpu", mode="full", sizes=[4, 8],
-                         inputs={"x": StaticInput(torch.float32, (2,)), "lens": StaticInput(torch.int32, host=True)})
+    runner = GraphRunner(
+        forward,
+        phase="prefill",
+        device="cpu",
+        mode="full",
+        sizes=[4, 8],
+        inputs={"x": StaticInput(torch.float32, (2,)), "lens": StaticInput(torch.int32, host=True)},
+    )
     runner.capture()
     assert runner.static_inputs["lens"].device.type == "cpu"
     rows, total = runner.run(3, x=torch.ones(3, 2), lens=torch.ones(3, dtype=torch.int32))

@@ -76,8 +76,14 @@ def test_tc_piecewise_compiles_once_and_never_recompiles(tiny_model):
 
 def test_tc_piecewise_reports_a_recompile_after_capture(tiny_model, caplog):
     fn = torch.nn.Linear(4, 4)
-    runner = GraphRunner(fn.forward, phase="prefill", mode="tc_piecewise", sizes=[8], device="cpu",
-                         inputs={"input": StaticInput(torch.float32, (4,))})
+    runner = GraphRunner(
+        fn.forward,
+        phase="prefill",
+        mode="tc_piecewise",
+        sizes=[8],
+        device="cpu",
+        inputs={"input": StaticInput(torch.float32, (4,))},
+    )
     runner.capture()
     with caplog.at_level(logging.WARNING):
         runner._graph_forward(torch.zeros(2, 4, 4))  # a new rank: dynamo must recompile
@@ -87,8 +93,14 @@ def test_tc_piecewise_reports_a_recompile_after_capture(tiny_model, caplog):
 
 def test_tc_piecewise_can_raise_on_recompile():
     lin = torch.nn.Linear(4, 4)
-    runner = GraphRunner(lin.forward, phase="prefill", mode="tc_piecewise", sizes=[8], device="cpu",
-                         inputs={"input": StaticInput(torch.float32, (4,))})
+    runner = GraphRunner(
+        lin.forward,
+        phase="prefill",
+        mode="tc_piecewise",
+        sizes=[8],
+        device="cpu",
+        inputs={"input": StaticInput(torch.float32, (4,))},
+    )
     runner.backend.on_recompile = "raise"
     runner.capture()
     with pytest.raises(RecompileError, match="TORCH_LOGS=recompiles"):
@@ -100,8 +112,14 @@ def test_tc_piecewise_dynamo_graph_break_is_a_capture_error():
         torch._dynamo.graph_break()
         return x + 1
 
-    runner = GraphRunner(forward, phase="prefill", mode="tc_piecewise", sizes=[8], device="cpu",
-                         inputs={"x": StaticInput(torch.float32)})
+    runner = GraphRunner(
+        forward,
+        phase="prefill",
+        mode="tc_piecewise",
+        sizes=[8],
+        device="cpu",
+        inputs={"x": StaticInput(torch.float32)},
+    )
     with pytest.raises(CaptureError, match="size 8.*breakable"):
         runner.capture()
     assert runner.backend.captured_keys() == []
@@ -143,8 +161,15 @@ def _scaled_forward(x: torch.Tensor) -> torch.Tensor:
 
 
 def _runner(mode: str) -> GraphRunner:
-    return GraphRunner(_scaled_forward, phase="prefill", mode=mode, sizes=[4], device="cpu",
-                       inputs={"x": StaticInput(torch.float32)}, capture_context=lambda size: Ctx(1.0))
+    return GraphRunner(
+        _scaled_forward,
+        phase="prefill",
+        mode=mode,
+        sizes=[4],
+        device="cpu",
+        inputs={"x": StaticInput(torch.float32)},
+        capture_context=lambda size: Ctx(1.0),
+    )
 
 
 @pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])

@@ -16,7 +16,9 @@ __all__ = ["reference_inputs", "decode_runner", "prefill_runner"]
 def reference_inputs(model: ReferenceModel) -> dict[str, StaticInput]:
     """The static inputs of both steps; padding rows write to the model's scratch KV slot."""
     fill = padding_fill(model)
-    return {name: StaticInput(torch.int64, fill=fill[name]) for name in ("input_ids", "positions", "req_slots")}
+    return {
+        name: StaticInput(torch.int64, fill=fill[name]) for name in ("input_ids", "positions", "req_slots")
+    }
 
 
 def decode_runner(model: ReferenceModel, **kwargs: Any) -> GraphRunner:

@@ -1,4 +1,4 @@
-"""Device-neutral graph strategies: each is a :class:`~devgraph.backend.DeviceGraphBackend` over a platform."""
+"""Device-neutral graph strategies, each a :class:`~devgraph.backend.DeviceGraphBackend` over a platform."""
 
 from devgraph.strategies.breakable import BreakableBackend
 from devgraph.strategies.eager import EagerBackend
@@ -8,6 +8,4 @@ from devgraph.strategies.tc_piecewise import TcPiecewiseBackend
 __all__ = ["BreakableBackend", "EagerBackend", "FullGraphBackend", "TcPiecewiseBackend", "STRATEGIES"]
 
 #: Strategy name -> class, the names users type in ``--device-graph-mode``.
-STRATEGIES = {
-    cls.name: cls for cls in (FullGraphBackend, BreakableBackend, TcPiecewiseBackend, EagerBackend)
-}
+STRATEGIES = {cls.name: cls for cls in (FullGraphBackend, BreakableBackend, TcPiecewiseBackend, EagerBackend)}

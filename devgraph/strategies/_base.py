@@ -45,10 +45,13 @@ class GraphStrategy(DeviceGraphBackend):
 
     def capture_one(self, key: int, forward_fn: Callable[[], Any]) -> Any:
         if key in self._entries:
-            raise CaptureError(f"size {key} is already captured; call cleanup() before capturing it again",
-                               size=key)
+            raise CaptureError(
+                f"size {key} is already captured; call cleanup() before capturing it again", size=key
+            )
         if self._pool is None:
-            raise CaptureError("capture_one() called outside capture_session(); the runner opens it", size=key)
+            raise CaptureError(
+                "capture_one() called outside capture_session(); the runner opens it", size=key
+            )
         entry = self._capture(key, forward_fn)
         self._entries[key] = entry
         return entry.outputs

@@ -34,7 +34,9 @@ class SegmentRecorder:
             self.platform.capture_end(graph)
             self.steps.append(graph)
 
-    def run_break(self, op: BreakOp | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run_break(
+        self, op: BreakOp | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """Run a break op eagerly (outside any graph) and record it for replay."""
         with capture_flag(False):
             outputs = op.run_eager(args, kwargs) if isinstance(op, BreakOp) else op(*args, **kwargs)

@@ -29,7 +29,9 @@ class EagerBackend(DeviceGraphBackend):
         return False
 
     def replay(self, key: int, static_inputs: Mapping[str, torch.Tensor]) -> Any:
-        raise ReplayError("the eager backend captures nothing to replay; the runner runs the forward directly")
+        raise ReplayError(
+            "the eager backend captures nothing to replay; the runner runs the forward directly"
+        )
 
     def cleanup(self) -> None:
         pass

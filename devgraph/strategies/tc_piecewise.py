@@ -118,7 +118,9 @@ class TcPiecewiseBackend(GraphStrategy):
         super().__init__(*args, **kwargs)
         self.compiler = self.options.compiler or "eager"
         if self.compiler not in COMPILERS:
-            raise ConfigError(f"tc_piecewise compiler {self.compiler!r} is unknown; accepted: {', '.join(COMPILERS)}")
+            raise ConfigError(
+                f"tc_piecewise compiler {self.compiler!r} is unknown; accepted: {', '.join(COMPILERS)}"
+            )
         self.on_recompile = str(self.options.extra.get("on_recompile", "warn"))
         self.compiles = 0
         self.recompiles = 0
@@ -138,7 +140,8 @@ class TcPiecewiseBackend(GraphStrategy):
                 except torch._dynamo.exc.Unsupported as exc:
                     first_line = str(exc).strip().splitlines()[0]
                     raise CaptureError(
-                        f"torch.compile cannot trace the forward as one graph ({first_line}); tc_piecewise needs "
+                        f"torch.compile cannot trace the forward as one graph ({first_line}); "
+                        "tc_piecewise needs "
                         "a forward without dynamo graph breaks: move the offending code into a "
                         "@devgraph.graph_break op, or use the 'breakable' mode"
                     ) from exc
@@ -165,8 +168,12 @@ class TcPiecewiseBackend(GraphStrategy):
         for name in breaks:
             setattr(split, name, _BreakPiece(self, getattr(split, name)))
         self.num_pieces = len(pieces)
-        logger.info("tc_piecewise: compiled %d pieces around %d break ops with %s", len(pieces), len(breaks),
-                    self.compiler)
+        logger.info(
+            "tc_piecewise: compiled %d pieces around %d break ops with %s",
+            len(pieces),
+            len(breaks),
+            self.compiler,
+        )
         return split
 
     def _compile_piece(self, module: torch.fx.GraphModule, example: list[Any] | None) -> Callable[..., Any]:

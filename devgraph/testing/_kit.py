@@ -61,7 +61,9 @@ def parse_target(text: str | Target) -> Target:
         return text
     platform, sep, name = str(text).strip().partition(":")
     if not sep or not platform or not name or ":" in name:
-        raise ConfigError(f"conformance target {text!r} must look like PLATFORM:NAME (e.g. cpu:full, cuda:breakable)")
+        raise ConfigError(
+            f"conformance target {text!r} must look like PLATFORM:NAME (e.g. cpu:full, cuda:breakable)"
+        )
     return Target(platform.strip(), name.strip())
 
 
@@ -165,9 +167,13 @@ class ConformanceReport:
         }
 
     def table(self) -> str:
-        counts = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed", "skipped", "error")}
-        head = (f"devgraph conformance: {self.target} ({self.backend} on {self.platform}, phase {self.phase}): "
-                + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+        counts = {
+            s: sum(r.status == s for r in self.results) for s in ("passed", "failed", "skipped", "error")
+        }
+        head = (
+            f"devgraph conformance: {self.target} ({self.backend} on {self.platform}, phase {self.phase}): "
+            + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        )
         lines = [head]
         for r in self.results:
             detail = r.detail.splitlines()[0] if r.detail else ""
@@ -208,11 +214,17 @@ class KitContext:
         availability = self.spec.cls.availability(self.platform)
         if not availability:
             raise BackendUnavailableError(f"backend {target} cannot run here: {availability.reason}")
-        self.phase = options.phase or ("decode" if "decode" in self.spec.phases else sorted(self.spec.phases)[0])
+        self.phase = options.phase or (
+            "decode" if "decode" in self.spec.phases else sorted(self.spec.phases)[0]
+        )
         if self.phase not in self.spec.phases:
-            raise ConfigError(f"backend {target} does not serve phase {self.phase!r} "
-                              f"(it serves {', '.join(sorted(self.spec.phases))})")
-        self.device = torch.device(options.device) if options.device is not None else self.platform.default_device()
+            raise ConfigError(
+                f"backend {target} does not serve phase {self.phase!r} "
+                f"(it serves {', '.join(sorted(self.spec.phases))})"
+            )
+        self.device = (
+            torch.device(options.device) if options.device is not None else self.platform.default_device()
+        )
         self._runners: list[GraphRunner] = []
         self._compiles = self.spec.cls.wrap_forward is not DeviceGraphBackend.wrap_forward
 
@@ -271,8 +283,10 @@ class KitContext:
         """Replay vs eager on the same padded batch: equal up to ``exact_atol`` (0 by default)."""
         diff = max_abs_diff(got, want)
         if not diff <= self.options.exact_atol:
-            raise CheckFailed(f"{what}: replay differs from eager on the same inputs by {diff:.3g} "
-                              f"(allowed {self.options.exact_atol:.3g})")
+            raise CheckFailed(
+                f"{what}: replay differs from eager on the same inputs by {diff:.3g} (allowed "
+                f"{self.options.exact_atol:.3g})"
+            )
 
     def assert_close(self, got: Any, want: Any, what: str) -> None:
         """Different row counts (padded graph vs unpadded eager): equal within ``rtol`` of max |eager|."""
@@ -307,8 +321,10 @@ def resolve_spec(registry: Registry, target: Target) -> BackendSpec:
         known = ", ".join(f"{p}:{n}" for p, n in sorted(registry.backends)) or "none"
         failed = [p.name for p in registry.plugins if p.status == "failed"]
         hint = f"; plug-ins that failed to load: {', '.join(failed)}" if failed else ""
-        raise BackendUnavailableError(f"no backend {target} is registered (registered: {known}){hint}; install "
-                                      "the plug-in that provides it and check `devgraph info`")
+        raise BackendUnavailableError(
+            f"no backend {target} is registered (registered: {known}){hint}; install "
+            "the plug-in that provides it and check `devgraph info`"
+        )
     return spec
 
 
@@ -328,8 +344,11 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 
 def max_abs(a: Any) -> float:
-    values = [t.detach().abs().max().item() for t in pytree.tree_leaves(a)
-              if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()]
+    values = [
+        t.detach().abs().max().item()
+        for t in pytree.tree_leaves(a)
+        if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()
+    ]
     return max(values, default=0.0)
 
 
@@ -365,7 +384,9 @@ def run_checks(
     return report
 
 
-def run_one(target: Target, check: Check, options: KitOptions, registry: Registry | None = None) -> CheckResult:
+def run_one(
+    target: Target, check: Check, options: KitOptions, registry: Registry | None = None
+) -> CheckResult:
     """Run one check and turn its outcome into a :class:`CheckResult`."""
     start = time.perf_counter()
     ctx = KitContext(target, options, registry)

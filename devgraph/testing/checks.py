@@ -6,6 +6,7 @@ default device, and raises :class:`CheckFailed` with what went wrong and what th
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ from devgraph.testing._kit import (
     CheckFailed,
     CheckSkipped,
     KitContext,
-    clone_tree,
     counting_replays,
 )
 from devgraph.testing._ops import clear_op_calls, context_scale, op_calls
@@ -47,7 +47,11 @@ _WIDTH = 8  # feature width of the kit's small forwards
 
 # -- helpers -------------------------------------------------------------------------------------------
 def _model(ctx: KitContext, seed: int = 0) -> ReferenceModel:
-    model = ReferenceModel(KIT_MODEL_CONFIG, device=ctx.device, seed=seed)
+    # Enough cache rows for a batch past the largest size (the eager-fallback check runs one).
+    config = dataclasses.replace(
+        KIT_MODEL_CONFIG, max_requests=max(KIT_MODEL_CONFIG.max_requests, ctx.sizes[-1] + 4)
+    )
+    model = ReferenceModel(config, device=ctx.device, seed=seed)
     model.randomize_cache(seed=seed)
     return model
 
@@ -89,25 +93,35 @@ def check_static_addresses(ctx: KitContext) -> str:
         for seed in range(3):
             batch = _batch(model, size, seed=seed * 31 + size)
             out = runner.run(**batch)
-            if tuple(out.shape) != (size, KIT_MODEL_CONFIG.vocab_size):
-                raise CheckFailed(f"size {size}: replay returned shape {tuple(out.shape)}, expected "
-                                  f"({size}, {KIT_MODEL_CONFIG.vocab_size})")
+            if tuple(out.shape) != (size, model.config.vocab_size):
+                raise CheckFailed(
+                    f"size {size}: replay returned shape {tuple(out.shape)}, expected ({size}, "
+                    f"{KIT_MODEL_CONFIG.vocab_size})"
+                )
             ptrs.add(out.untyped_storage().data_ptr())
             result = runner.verify(**batch)
             if not result.replayed:
-                raise CheckFailed(f"size {size} was captured but the step did not replay its graph "
-                                  "(has_shape or can_run said no)")
+                raise CheckFailed(
+                    f"size {size} was captured but the step did not replay its graph "
+                    "(has_shape or can_run said no)"
+                )
             if not result.max_abs_diff <= ctx.options.exact_atol:
-                raise CheckFailed(f"size {size}, step {seed}: replay differs from eager on the same padded inputs "
-                                  f"by {result.max_abs_diff:.3g}: state was baked into the graph at capture")
+                raise CheckFailed(
+                    f"size {size}, step {seed}: replay differs from eager on the same padded inputs by "
+                    f"{result.max_abs_diff:.3g}: state was baked into the graph at capture"
+                )
             current = out.detach().clone()
             if previous is not None and torch.equal(previous, current):
-                raise CheckFailed(f"size {size}: two steps with different inputs returned identical outputs; "
-                                  "replay does not read the static input buffers")
+                raise CheckFailed(
+                    f"size {size}: two steps with different inputs returned identical outputs; "
+                    "replay does not read the static input buffers"
+                )
             previous = current
         if len(ptrs) != 1:
-            raise CheckFailed(f"size {size}: replays returned outputs at {len(ptrs)} different addresses; a graph's "
-                              "outputs must live at the addresses captured (engines keep views of them)")
+            raise CheckFailed(
+                f"size {size}: replays returned outputs at {len(ptrs)} different addresses; a graph's "
+                "outputs must live at the addresses captured (engines keep views of them)"
+            )
         notes.append(f"{size}:{next(iter(ptrs)):#x}")
     return "outputs fixed per size (" + ", ".join(notes) + ")"
 
@@ -136,8 +150,10 @@ def check_padding_rows(ctx: KitContext) -> str:
     for name, buf in runner.static_inputs.items():
         pad = buf[n:size]
         if not bool((pad == fills[name]).all()):
-            raise CheckFailed(f"padding rows {n}..{size - 1} of input {name!r} hold {pad.tolist()}, not its fill "
-                              f"{fills[name]}: the runner must write each input's fill into padding rows")
+            raise CheckFailed(
+                f"padding rows {n}..{size - 1} of input {name!r} hold {pad.tolist()}, not its fill "
+                f"{fills[name]}: the runner must write each input's fill into padding rows"
+            )
     if out.shape[0] != n:
         raise CheckFailed(f"a step of {n} rows returned {out.shape[0]} rows; outputs are sliced back to n")
     want = _eager(eager_model, batch)
@@ -148,11 +164,16 @@ def check_padding_rows(ctx: KitContext) -> str:
     ):
         for slot in range(before.shape[0]):
             if slot not in touched and not torch.equal(before[slot], after[slot]):
-                raise CheckFailed(f"layer {layer}: KV-cache slot {slot}, which no real row uses, changed during the "
-                                  "step: padding rows wrote into a live slot")
+                raise CheckFailed(
+                    f"layer {layer}: KV-cache slot {slot}, which no real row uses, changed during the "
+                    "step: padding rows wrote into a live slot"
+                )
         for slot in batch["req_slots"].tolist():
-            ctx.assert_close(after[slot], eager_after[slot], f"layer {layer} KV-cache slot {slot} written by a real row")
-    return f"{n} rows padded to {size}; fills {fills}; only the padding slot {graph_model.padding_slot} absorbed them"
+            ctx.assert_close(
+                after[slot], eager_after[slot], f"layer {layer} KV-cache slot {slot} written by a real row"
+            )
+    slot = graph_model.padding_slot
+    return f"{n} rows padded to {size}; fills {fills}; only the padding slot {slot} absorbed them"
 
 
 class _Holder(torch.nn.Module):
@@ -180,8 +201,10 @@ def check_stale_inputs(ctx: KitContext) -> str:
     out2 = runner.run(x=x2).detach().clone()
     ctx.assert_exact(out2, holder(x2), "second step (new input values)")
     if torch.equal(out1, out2):
-        raise CheckFailed("two steps with different inputs returned the same output: the input was not copied into "
-                          "the static buffer the graph reads")
+        raise CheckFailed(
+            "two steps with different inputs returned the same output: the input was not copied into the "
+            "static buffer the graph reads"
+        )
     with torch.no_grad():
         holder.bias.add_(1.0)  # an in-place update of captured state: the graph must see it
     ctx.assert_exact(runner.run(x=x2), holder(x2), "step after an in-place update of captured state")
@@ -194,10 +217,12 @@ def check_stale_inputs(ctx: KitContext) -> str:
     if not stale.replayed:
         raise CheckFailed("verify() did not replay a captured size")
     if not stale.max_abs_diff > 1.0:
-        raise CheckFailed("after the forward's state was rebound to a new tensor (not copied into the captured one) "
-                          f"the replay still matched eager (diff {stale.max_abs_diff:.3g}): the backend re-runs Python "
-                          "at replay instead of replaying the captured work, so stale inputs would go unnoticed on "
-                          "a device and this backend does not behave like a device graph")
+        raise CheckFailed(
+            "after the forward's state was rebound to a new tensor (not copied into the captured one) "
+            f"the replay still matched eager (diff {stale.max_abs_diff:.3g}): the backend re-runs Python "
+            "at replay instead of replaying the captured work, so stale inputs would go unnoticed on a "
+            "device and this backend does not behave like a device graph"
+        )
     return f"fresh inputs seen; a rebound tensor is stale by {stale.max_abs_diff:.3g} and verify() reports it"
 
 
@@ -217,8 +242,9 @@ def check_eager_fallback(ctx: KitContext) -> str:
     with counting_replays(runner.backend) as replays:
         out = runner.run(**batch)
     if replays:
-        raise CheckFailed(f"a step of {big} rows (largest captured size {largest}) called replay(); it must run "
-                          "eagerly")
+        raise CheckFailed(
+            f"a step of {big} rows (largest captured size {largest}) called replay(); it must run eagerly"
+        )
     if tuple(out.shape) != (big, KIT_MODEL_CONFIG.vocab_size):
         raise CheckFailed(f"the eager fallback returned shape {tuple(out.shape)} for {big} rows")
     if out.untyped_storage().data_ptr() in captured_ptrs:
@@ -263,32 +289,51 @@ def check_break_ops(ctx: KitContext) -> str:
     mode = ctx.break_mode(len(replay_calls))
     if mode == "eager":
         if not replay_calls:
-            raise CheckFailed("the break op did not run at replay; with this backend break ops run eagerly between "
-                              "graph segments")
+            raise CheckFailed(
+                "the break op did not run at replay; with this backend break ops run eagerly between graph "
+                "segments"
+            )
         if any(c.capturing for c in capture_calls[-1:]):
-            raise CheckFailed("the break op saw is_capturing() True at capture; it runs eagerly, outside the graph")
+            raise CheckFailed(
+                "the break op saw is_capturing() True at capture; it runs eagerly, outside the graph"
+            )
         if not all(c.replaying for c in replay_calls):
-            raise CheckFailed("the break op saw is_replaying() False at replay (runtime_session() must set it)")
+            raise CheckFailed(
+                "the break op saw is_replaying() False at replay (runtime_session() must set it)"
+            )
         if any(c.factor != 3.0 for c in replay_calls):
-            raise CheckFailed(f"the break op read factor {replay_calls[0].factor} from the forward context at replay, "
-                              "not the live 3.0: GraphRunner.run(context=...) must be installed around replay")
+            raise CheckFailed(
+                f"the break op read factor {replay_calls[0].factor} from the forward context at replay, "
+                "not the live 3.0: GraphRunner.run(context=...) must be installed around replay"
+            )
         ctx.assert_exact(out, _eager_break(forward, x, 3.0), "replay with a live context")
         clear_op_calls()
         x2 = ctx.randn(size, _WIDTH, seed=23)
-        ctx.assert_exact(runner.run(x=x2, context=_Context(0.5)), _eager_break(forward, x2, 0.5),
-                         "replay with another live context")
+        ctx.assert_exact(
+            runner.run(x=x2, context=_Context(0.5)),
+            _eager_break(forward, x2, 0.5),
+            "replay with another live context",
+        )
         return f"break op ran eagerly at replay ({len(replay_calls)} call(s)) with the live context"
     # captured: the op's kernels are part of the graph; Python-level host state is baked in at capture.
     if not capture_calls[-1].capturing:
         raise CheckFailed("the break op saw is_capturing() False while captured into the graph")
-    ctx.assert_exact(out, _eager_break(forward, x, 1.0 if not replay_calls else 3.0),
-                     "replay of a graph with a captured break op")
+    ctx.assert_exact(
+        out,
+        _eager_break(forward, x, 1.0 if not replay_calls else 3.0),
+        "replay of a graph with a captured break op",
+    )
     x2 = ctx.randn(size, _WIDTH, seed=24)
     clear_op_calls()
     out2 = runner.run(x=x2, context=None)
-    ctx.assert_exact(out2, _eager_break(forward, x2, 1.0), "replay of a graph with a captured break op, new inputs")
-    note = ("Python re-ran at replay (a simulator records custom ops whole)" if replay_calls
-            else "no Python at replay")
+    ctx.assert_exact(
+        out2, _eager_break(forward, x2, 1.0), "replay of a graph with a captured break op, new inputs"
+    )
+    note = (
+        "Python re-ran at replay (a simulator records custom ops whole)"
+        if replay_calls
+        else "no Python at replay"
+    )
     return f"break op captured into the graph; {note}"
 
 
@@ -316,7 +361,9 @@ def check_has_shape(ctx: KitContext) -> str:
     except ReplayError:
         pass
     except DevGraphError as exc:
-        raise CheckFailed(f"replay() of an uncaptured size raised {type(exc).__name__}, expected ReplayError") from exc
+        raise CheckFailed(
+            f"replay() of an uncaptured size raised {type(exc).__name__}, expected ReplayError"
+        ) from exc
     else:
         raise CheckFailed(f"replay() of size {others[0]}, which was never captured, did not raise")
     runner.close()
@@ -342,7 +389,9 @@ def check_cleanup(ctx: KitContext) -> str:
     held = platform.reserved_bytes()
     refs = [weakref.ref(runner.run(**_batch(model, s, seed=s))) for s in ctx.sizes]
     if any(r() is None for r in refs):
-        raise CheckFailed("a replay output died while the runner was open: outputs must be owned by the graph")
+        raise CheckFailed(
+            "a replay output died while the runner was open: outputs must be owned by the graph"
+        )
     runner.close()
     gc.collect()
     ctx.synchronize()
@@ -350,19 +399,26 @@ def check_cleanup(ctx: KitContext) -> str:
     after = platform.reserved_bytes()
     alive = sum(r() is not None for r in refs)
     if alive:
-        raise CheckFailed(f"{alive} captured output tensor(s) are still alive after close(): cleanup() must drop every "
-                          "reference to graphs, plans and outputs so their pool memory can be freed")
+        raise CheckFailed(
+            f"{alive} captured output tensor(s) are still alive after close(): cleanup() must drop every "
+            "reference to graphs, plans and outputs so their pool memory can be freed"
+        )
     if held > before and not after < held:
-        raise CheckFailed(f"reserved device memory did not fall after close(): {before} bytes before capture, "
-                          f"{held} after, {after} after close()")
+        raise CheckFailed(
+            f"reserved device memory did not fall after close(): {before} bytes before capture, {held} "
+            f"after, {after} after close()"
+        )
     again = _reference_runner(ctx, model, backend=backend)
     again.capture()
     batch = _batch(model, ctx.sizes[-1], seed=9)
     result = again.verify(**batch)
     if not (result.replayed and result.max_abs_diff <= ctx.options.exact_atol):
         raise CheckFailed("the backend did not capture and replay correctly after cleanup()")
-    memory = (f"reserved {before} -> {held} -> {after} bytes" if held > before
-              else "platform reports no graph memory growth; checked outputs only")
+    memory = (
+        f"reserved {before} -> {held} -> {after} bytes"
+        if held > before
+        else "platform reports no graph memory growth; checked outputs only"
+    )
     return f"outputs released; {memory}; re-capture works"
 
 
@@ -388,22 +444,29 @@ def check_capture_errors(ctx: KitContext) -> str:
     except CaptureError as exc:
         message = str(exc)
         if exc.size != fail_size or str(fail_size) not in message:
-            raise CheckFailed(f"CaptureError must name the failing size {fail_size}: size={exc.size!r}, "
-                              f"message {message!r}") from exc
+            raise CheckFailed(
+                f"CaptureError must name the failing size {fail_size}: size={exc.size!r}, message {message!r}"
+            ) from exc
         error = message
     except Exception as exc:
-        raise CheckFailed(f"a failed capture raised {type(exc).__name__} ({exc}), not devgraph.CaptureError "
-                          "(the runner wraps errors; the platform's translate_capture_error may add advice)") from exc
+        raise CheckFailed(
+            f"a failed capture raised {type(exc).__name__} ({exc}), not devgraph.CaptureError "
+            "(the runner wraps errors; the platform's translate_capture_error may add advice)"
+        ) from exc
     else:
-        note = (f"platform {ctx.platform.name} did not detect a host sync (.item()) during capture, so capture "
-                "succeeded; the check of capture errors does not apply")
+        note = (
+            f"platform {ctx.platform.name} did not detect a host sync (.item()) during capture, so capture "
+            "succeeded; the check of capture errors does not apply"
+        )
         if ctx.options.require_sync_detection:
             raise CheckFailed(note)
         raise CheckSkipped(note)
     left = [s for s in sizes if backend.has_shape(s)]
     if left or backend.captured_keys():
-        raise CheckFailed(f"after a failed capture, sizes {left or backend.captured_keys()} are still captured; "
-                          "the runner releases every graph captured so far")
+        raise CheckFailed(
+            f"after a failed capture, sizes {left or backend.captured_keys()} are still captured; "
+            "the runner releases every graph captured so far"
+        )
     weight = ctx.randn(_WIDTH, _WIDTH, seed=31)
     clean = ctx.runner(lambda x: torch.relu(x @ weight), _feature_input())
     clean.capture()
@@ -421,7 +484,9 @@ def check_runtime_session(ctx: KitContext) -> str:
     with backend.runtime_session():
         inside = is_replaying()
     if backend.uses_graphs and not inside:
-        raise CheckFailed("is_replaying() is False inside runtime_session(); break ops and model code rely on it")
+        raise CheckFailed(
+            "is_replaying() is False inside runtime_session(); break ops and model code rely on it"
+        )
     if is_replaying():
         raise CheckFailed("is_replaying() stays True after runtime_session() exits")
     weight = ctx.randn(_WIDTH, _WIDTH, seed=41, scale=0.5)
@@ -439,7 +504,9 @@ def check_runtime_session(ctx: KitContext) -> str:
         raise CheckFailed("a break op running at replay saw is_replaying() False")
     if is_replaying():
         raise CheckFailed("is_replaying() stays True after run() returns")
-    return "is_replaying() set inside runtime_session() only" + (" (seen by the break op)" if replayed else "")
+    return "is_replaying() set inside runtime_session() only" + (
+        " (seen by the break op)" if replayed else ""
+    )
 
 
 def check_host_inputs(ctx: KitContext) -> str:
@@ -450,7 +517,10 @@ def check_host_inputs(ctx: KitContext) -> str:
     def forward(x: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         return x @ weight  # device code never reads the host buffer
 
-    inputs = {"x": StaticInput(torch.float32, (_WIDTH,)), "seq_lens": StaticInput(torch.int64, fill=0, host=True)}
+    inputs = {
+        "x": StaticInput(torch.float32, (_WIDTH,)),
+        "seq_lens": StaticInput(torch.int64, fill=0, host=True),
+    }
     runner = ctx.runner(forward, inputs)
     host = runner.static_inputs["seq_lens"]
     if host.device.type != "cpu":
@@ -465,9 +535,15 @@ def check_host_inputs(ctx: KitContext) -> str:
     if len(replays) != 1:
         raise CheckFailed(f"a step of {n} rows did not replay exactly once ({len(replays)} replays)")
     seen = replays[0]["seq_lens"]
-    if seen.device.type != "cpu" or seen[:n].tolist() != lens.tolist() or seen[n:size].tolist() != [0] * (size - n):
-        raise CheckFailed(f"replay() got seq_lens {seen[:size].tolist()} on {seen.device}; expected "
-                          f"{lens.tolist() + [0] * (size - n)} on the CPU")
+    if (
+        seen.device.type != "cpu"
+        or seen[:n].tolist() != lens.tolist()
+        or seen[n:size].tolist() != [0] * (size - n)
+    ):
+        raise CheckFailed(
+            f"replay() got seq_lens {seen[:size].tolist()} on {seen.device}; "
+            f"expected {lens.tolist() + [0] * (size - n)} on the CPU"
+        )
     ctx.assert_close(out, x @ weight, "output of a runner with a host-side input")
     return f"replay() saw the host buffer {seen[:size].tolist()}"
 
@@ -477,12 +553,20 @@ CHECKS: dict[str, Check] = {
     for c in (
         Check("static_addresses", "outputs keep their addresses across replays", check_static_addresses),
         Check("padding_rows", "padding rows get the fill; real rows unaffected", check_padding_rows),
-        Check("stale_inputs", "fresh inputs seen; rebound state is stale and verify() catches it", check_stale_inputs),
+        Check(
+            "stale_inputs",
+            "fresh inputs seen; rebound state is stale and verify() catches it",
+            check_stale_inputs,
+        ),
         Check("eager_fallback", "steps past the largest size run eagerly", check_eager_fallback),
         Check("break_ops", "break ops and the live forward context", check_break_ops),
         Check("has_shape", "has_shape() exactly for captured sizes", check_has_shape),
         Check("cleanup", "close() releases graphs, outputs and memory", check_cleanup),
-        Check("capture_errors", "a host sync in capture gives CaptureError naming the size", check_capture_errors),
+        Check(
+            "capture_errors",
+            "a host sync in capture gives CaptureError naming the size",
+            check_capture_errors,
+        ),
         Check("runtime_session", "is_replaying() set by runtime_session() only", check_runtime_session),
         Check("host_inputs", "host=True inputs reach replay() on the CPU", check_host_inputs),
     )

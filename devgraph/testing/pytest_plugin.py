@@ -21,15 +21,37 @@ MARKER = "devgraph_conformance"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("devgraph", "devgraph conformance kit")
-    group.addoption(OPTION, action="append", default=[], metavar="PLATFORM:NAME", dest="devgraph_backends",
-                    help="run the devgraph conformance kit against this registered backend (repeatable), "
-                         "e.g. cpu:full, cuda:breakable")
-    group.addoption("--devgraph-check", action="append", default=[], metavar="CHECK", dest="devgraph_checks",
-                    help="run only this conformance check (repeatable)")
-    group.addoption("--devgraph-phase", default=None, metavar="PHASE", dest="devgraph_phase",
-                    help="phase the backend is built for (default: decode if it serves decode)")
-    group.addoption("--devgraph-require-sync", action="store_true", default=False, dest="devgraph_require_sync",
-                    help="fail the capture-error check where the platform does not detect host syncs")
+    group.addoption(
+        OPTION,
+        action="append",
+        default=[],
+        metavar="PLATFORM:NAME",
+        dest="devgraph_backends",
+        help="run the devgraph conformance kit against this registered backend (repeatable), "
+        "e.g. cpu:full, cuda:breakable",
+    )
+    group.addoption(
+        "--devgraph-check",
+        action="append",
+        default=[],
+        metavar="CHECK",
+        dest="devgraph_checks",
+        help="run only this conformance check (repeatable)",
+    )
+    group.addoption(
+        "--devgraph-phase",
+        default=None,
+        metavar="PHASE",
+        dest="devgraph_phase",
+        help="phase the backend is built for (default: decode if it serves decode)",
+    )
+    group.addoption(
+        "--devgraph-require-sync",
+        action="store_true",
+        default=False,
+        dest="devgraph_require_sync",
+        help="fail the capture-error check where the platform does not detect host syncs",
+    )
 
 
 def _targets(config: pytest.Config) -> list[str]:
@@ -42,12 +64,17 @@ def _kit_only(config: pytest.Config) -> bool:
     args_source = getattr(pytest.Config, "ArgsSource", None)
     if source is not None and args_source is not None:
         return source != args_source.ARGS
-    return not any(Path(str(a).split("::")[0]).exists() for a in config.invocation_params.args
-                   if not str(a).startswith("-"))
+    return not any(
+        Path(str(a).split("::")[0]).exists()
+        for a in config.invocation_params.args
+        if not str(a).startswith("-")
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{MARKER}: a check of the devgraph conformance kit (--devgraph-backend)")
+    config.addinivalue_line(
+        "markers", f"{MARKER}: a check of the devgraph conformance kit (--devgraph-backend)"
+    )
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -96,7 +123,9 @@ class KitItem(pytest.Item):
 class KitCollector(pytest.Collector):
     """The kit's items for every ``--devgraph-backend`` target."""
 
-    def __init__(self, *, targets: list[str], checks: list[str], options: dict[str, Any], **kwargs: Any) -> None:
+    def __init__(
+        self, *, targets: list[str], checks: list[str], options: dict[str, Any], **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.targets = targets
         self.checks = checks
@@ -105,12 +134,15 @@ class KitCollector(pytest.Collector):
     def collect(self) -> Iterator[KitItem]:
         for target in self.targets:
             for check in self.checks:
-                yield KitItem.from_parent(self, name=f"{check}[{target}]", target=target, check=check,
-                                          options=self.options)
+                yield KitItem.from_parent(
+                    self, name=f"{check}[{target}]", target=target, check=check, options=self.options
+                )
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
     targets = _targets(config)
     if not targets:
         return
@@ -121,12 +153,19 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     checks = list(config.getoption("devgraph_checks") or []) or check_names()
     unknown = sorted(set(checks) - set(check_names()))
     if unknown:
-        raise pytest.UsageError(f"--devgraph-check: unknown check(s) {unknown}; accepted: {', '.join(check_names())}")
+        raise pytest.UsageError(
+            f"--devgraph-check: unknown check(s) {unknown}; accepted: {', '.join(check_names())}"
+        )
     options: dict[str, Any] = {"require_sync_detection": bool(config.getoption("devgraph_require_sync"))}
     phase = config.getoption("devgraph_phase")
     if phase:
         options["phase"] = phase
-    collector = KitCollector.from_parent(session, name="devgraph-conformance", nodeid="devgraph-conformance",
-                                         targets=targets, checks=checks,
-                                         options=options)
+    collector = KitCollector.from_parent(
+        session,
+        name="devgraph-conformance",
+        nodeid="devgraph-conformance",
+        targets=targets,
+        checks=checks,
+        options=options,
+    )
     items.extend(collector.collect())

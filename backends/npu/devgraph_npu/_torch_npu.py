@@ -46,15 +46,15 @@ __all__ = [
 MODULE = "torch_npu"
 
 NOT_INSTALLED = (
-    "torch-npu is not installed: on an Ascend machine with the CANN toolkit, pip install 'devgraph-npu[ascend]' "
-    "(torch-npu must match the installed torch and CANN versions)"
+    "torch-npu is not installed: on an Ascend machine with the CANN toolkit, pip install "
+    "'devgraph-npu[ascend]' (torch-npu must match the installed torch and CANN versions)"
 )
 
 _ENV_HINT = (
     "torch-npu needs the Ascend CANN toolkit: install the CANN version your torch-npu release names and run "
-    "`source /usr/local/Ascend/ascend-toolkit/set_env.sh` (it sets LD_LIBRARY_PATH and ASCEND_HOME_PATH) before "
-    "starting Python. If importing torch itself fails because torch auto-loads an installed torch-npu whose CANN "
-    "libraries are missing, set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop the auto-load"
+    "`source /usr/local/Ascend/ascend-toolkit/set_env.sh` (it sets LD_LIBRARY_PATH and ASCEND_HOME_PATH) "
+    "before starting Python. If importing torch itself fails because torch auto-loads an installed torch-npu "
+    "whose CANN libraries are missing, set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to stop the auto-load"
 )
 
 
@@ -120,13 +120,21 @@ def probe() -> Availability:
     api = getattr(module, "npu", None)
     try:
         if api is None or not api.is_available():
-            return Availability(False, "torch-npu imported but no Ascend NPU is visible (torch.npu.is_available() is "
-                                       "False): check the driver with `npu-smi info` and ASCEND_RT_VISIBLE_DEVICES")
+            return Availability(
+                False,
+                "torch-npu imported but no Ascend NPU is visible (torch.npu.is_available() is False): check "
+                "the driver with `npu-smi info` and ASCEND_RT_VISIBLE_DEVICES",
+            )
     except Exception as exc:
-        return Availability(False, f"torch.npu.is_available() failed ({type(exc).__name__}: {exc}). {_ENV_HINT}")
+        return Availability(
+            False, f"torch.npu.is_available() failed ({type(exc).__name__}: {exc}). {_ENV_HINT}"
+        )
     if not hasattr(api, "NPUGraph") or not hasattr(api, "graph"):
-        return Availability(False, f"torch-npu {version()} has no torch.npu.NPUGraph: upgrade torch-npu (NPU graphs "
-                                   "need torch-npu 2.1 or newer, host-side updates 2.5 or newer)")
+        return Availability(
+            False,
+            f"torch-npu {version()} has no torch.npu.NPUGraph: upgrade torch-npu (NPU graphs "
+            "need torch-npu 2.1 or newer, host-side updates 2.5 or newer)",
+        )
     return Availability(True, f"Ascend NPU graphs via torch-npu {version()}")
 
 
@@ -201,7 +209,8 @@ def update(graph: Any, cpu_update_input: list[dict[str, Any]]) -> None:
 
 
 def update_records(graph: Any) -> list[set[str]] | None:
-    """The keyword names of each op the capture recorded for update (``None`` where torch-npu does not say)."""
+    """The keyword names of each op the capture recorded for update (``None`` where torch-npu does not "
+    "say)."""
     mode = getattr(graph, "graph_dispatch_mode", None)
     records = getattr(mode, "graph_dispatch_records", None)
     if records is None:

@@ -22,8 +22,9 @@ STREAM_EXHAUSTION = re.compile(
     r"|resource alloc fail",
     re.IGNORECASE,
 )
-_HOST_SYNC = re.compile(r"not permitted when stream is capturing|stream is capturing|capture.*not support",
-                        re.IGNORECASE)
+_HOST_SYNC = re.compile(
+    r"not permitted when stream is capturing|stream is capturing|capture.*not support", re.IGNORECASE
+)
 
 
 def translate_ascend_error(error: BaseException, size: int | None) -> CaptureError | None:
@@ -34,18 +35,20 @@ def translate_ascend_error(error: BaseException, size: int | None) -> CaptureErr
     if STREAM_EXHAUSTION.search(text):
         code = "207008" if "207008" in text else ("207005" if "207005" in text else "stream exhaustion")
         return CaptureError(
-            f"the Ascend runtime ran out of stream resources capturing {where} (error {code}: {first[:160]}). "
+            f"the Ascend runtime ran out of stream resources capturing {where} (error {code}: "
+            f"{first[:160]}). "
             "Every captured NPU graph keeps device streams and a device has about 2048: capture fewer sizes "
-            "(pass sizes=[...] or a lower max_size, or --device-graph-mode '{\"decode\": {\"backend\": \"full\", "
-            "\"max_size\": 64}}'), run fewer processes per NPU, and upgrade the Ascend driver/firmware and CANN "
-            "(newer drivers free and reuse capture streams)",
+            "(pass sizes=[...] or a lower max_size, e.g. --device-graph-mode "
+            '\'{"decode": {"backend": "full", "max_size": 64}}\'), run fewer processes per NPU, and '
+            "upgrade the Ascend driver/firmware and CANN (newer drivers free and reuse capture streams)",
             size=size,
         )
     if _HOST_SYNC.search(text):
         return CaptureError(
-            f"an op synchronized with the host or used a non-capturable API while capturing {where} ({first[:160]}); "
-            "remove .item()/.tolist()/.cpu() and data-dependent shapes from the captured forward; per-step host "
-            "values belong in a StaticInput(host=True) that the NPU backend passes to NPUGraph.update",
+            f"an op synchronized with the host or used a non-capturable API while capturing {where} "
+            f"({first[:160]}); "
+            "remove .item()/.tolist()/.cpu() and data-dependent shapes from the captured forward; per-step "
+            "host values belong in a StaticInput(host=True) that the NPU backend passes to NPUGraph.update",
             size=size,
         )
     return None
@@ -91,7 +94,9 @@ class NpuPlatform(GraphPlatform):
         return api.graph_pool_handle()
 
     def capture_begin(self, graph: DeviceGraph, pool: Any) -> None:
-        context = api.begin_capture(graph, pool, api.current_stream(), auto_dispatch=self.supports_host_update())
+        context = api.begin_capture(
+            graph, pool, api.current_stream(), auto_dispatch=self.supports_host_update()
+        )
         with self._lock:
             self._captures[id(graph)] = context
 

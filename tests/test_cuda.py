@@ -1,0 +1,390 @@
+"""The CUDA backends (``full``, ``breakable``, ``tc_piecewise``) on a real NVIDIA GPU.
+
+Every test is marked ``cuda``; tests/conftest.py skips them where no NVIDIA GPU is visible. The model is
+the reference decoder with Qwen3-0.6B's layer shapes, cut to 4 layers and a 4096-token vocabulary so the
+suite runs in about a minute, in bf16 as served.
+
+Equality with eager is exact (``max_abs_diff == 0``) whenever the graph and eager run the same kernels on
+the same shapes: ``GraphRunner.verify`` compares against eager on the runner's own padded buffers, so any
+difference is a capture/replay bug. Against eager on the caller's ``n`` rows (``max_abs_diff_unpadded``) a
+padded step may round differently, because cuBLAS may pick another kernel for another row count; that is
+judged against a bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import devgraph
+from devgraph import CaptureError, GraphRunner, StaticInput, graph_break
+from devgraph.reference import (
+    ReferenceConfig,
+    ReferenceModel,
+    decode_context,
+    decode_runner,
+    make_decode_batch,
+    make_prefill_batch,
+    prefill_context,
+    prefill_runner,
+    reference_inputs,
+)
+from devgraph.strategies.plan import BreakCall, SegmentedPlan
+
+pytestmark = pytest.mark.cuda
+
+STRATEGIES = ["full", "breakable", "tc_piecewise"]
+DECODE_SIZES = [1, 2, 4, 8, 16]
+PREFILL_SIZES = [16, 64, 128]
+#: bf16 bound on |graph - eager(n rows)| relative to max |eager| for padded steps (see the module docstring).
+UNPADDED_RTOL = 2e-2
+# DEVGRAPH_TEST_DEVICE=cpu runs the file's logic on the simulated graphs, to debug it without a GPU.
+DEVICE = torch.device(os.environ.get("DEVGRAPH_TEST_DEVICE", "cuda"))
+ON_CUDA = DEVICE.type == "cuda"
+
+
+# -- fixtures and helpers ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model() -> ReferenceModel:
+    """Qwen3-0.6B layer shapes, 4 layers, bf16, a random KV-cache history."""
+    config = ReferenceConfig.preset(
+        "qwen3-0.6b", num_layers=4, vocab_size=4096, max_requests=64, max_seq_len=512
+    )
+    model = ReferenceModel(config, device=DEVICE, seed=0)
+    model.randomize_cache(seed=0)
+    _prime_capture_stream(model)
+    return model
+
+
+def _prime_capture_stream(model: ReferenceModel) -> None:
+    """Run once on devgraph's capture stream, so lazily created per-stream state (the cuBLAS/cuBLASLt
+    workspaces, kept until exit) exists before any test measures memory."""
+    platform = devgraph.resolve_platform(DEVICE)
+    batch = make_decode_batch(model, 8)
+    with platform.stream(platform.new_stream()):
+        model.decode_step(**batch)
+        model.prefill_step(**make_prefill_batch(model, [16]))
+    model.decode_step(**batch)
+    platform.synchronize()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_state() -> Iterator[None]:
+    """Each test compiles from scratch: dynamo's per-code-object cache would otherwise fill up across the
+    tests that compile ``model.decode_step`` and reach its recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    settle()
+
+
+def settle() -> None:
+    """Finish queued work and return the allocator's unused cache, so reserved bytes mean held bytes."""
+    gc.collect()
+    if ON_CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def allocated() -> int:
+    return int(torch.cuda.memory_allocated()) if ON_CUDA else 0
+
+
+def reserved() -> int:
+    if ON_CUDA:
+        return int(torch.cuda.memory_reserved())
+    return devgraph.resolve_platform(DEVICE).reserved_bytes()
+
+
+def assert_released(base_allocated: int, base_reserved: int, held: int | None = None) -> None:
+    """Device memory is back where it was. The slack is one small allocation (and the 2 MiB segment it sits
+    in) that something outside devgraph may keep, e.g. a cached alias of a static buffer; graph pools are
+    tens of MiB here, so a leaked pool still fails."""
+    settle()
+    left_allocated, left_reserved = allocated() - base_allocated, reserved() - base_reserved
+    assert left_allocated <= 64 << 10, f"{left_allocated} bytes still allocated"
+    assert left_reserved <= 2 << 20, f"{left_reserved} bytes still reserved"
+    if held is not None:
+        assert left_reserved < held / 10, (left_reserved, held)
+
+
+def graphs_of(runner: GraphRunner) -> list[Any]:
+    """Every device graph a runner's backend holds (one per size, or one per segment)."""
+    out = []
+    for entry in runner.backend._entries.values():
+        if isinstance(entry, SegmentedPlan):
+            out += [s for s in entry.steps if not isinstance(s, BreakCall)]
+        else:
+            out.append(entry.graph)
+    return out
+
+
+# -- equality with eager -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_decode_equals_eager_at_every_captured_padded_and_fallback_size(model, mode):
+    with decode_runner(model, mode=mode, sizes=DECODE_SIZES) as runner:
+        runner.capture()
+        assert runner.backend.captured_keys() == DECODE_SIZES
+        for n in (1, 2, 3, 4, 5, 8, 13, 16, 17, 24):
+            batch = make_decode_batch(model, n, seed=n)
+            # full bakes the capture-time context into the graph, so it must run without one; the
+            # break-op modes read the live one (attention over max_seq_len positions only).
+            context = None if mode == "full" else decode_context(batch)
+            result = runner.verify(n, context, **batch)
+            assert result.replayed == (n <= 16), (mode, n)
+            assert result.size == runner.bucket(n)
+            assert result.max_abs_diff == 0.0, (mode, n, result)
+            assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * result.scale, (mode, n, result)
+        if mode == "tc_piecewise":
+            assert runner.backend.recompiles == 0
+
+
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_prefill_equals_eager_packed_requests(model, mode):
+    with prefill_runner(model, mode=mode, sizes=PREFILL_SIZES) as runner:
+        runner.capture()
+        for lens in ([16], [5, 9], [20, 12], [30, 34], [64, 64], [100, 40]):
+            batch = make_prefill_batch(model, lens, seed=len(lens))
+            result = runner.verify(sum(lens), prefill_context(lens), **batch)
+            assert result.replayed == (sum(lens) <= 128), (mode, lens)
+            assert result.max_abs_diff == 0.0, (mode, lens, result)
+            assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * result.scale, (mode, lens, result)
+
+
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_eager_fallback_past_the_largest_size(model, mode):
+    with decode_runner(model, mode=mode, sizes=[1, 2, 4]) as runner:
+        runner.capture()
+        batch = make_decode_batch(model, 9, seed=3)
+        assert runner.bucket(9) is None
+        out = runner.run(9, None, **batch).clone()
+        torch.testing.assert_close(out, model.decode_step(**batch), rtol=0, atol=0)
+        # A captured size still replays afterwards.
+        assert runner.verify(3, None, **make_decode_batch(model, 3)).max_abs_diff == 0.0
+
+
+# -- conformance: a stale input is caught --------------------------------------------------------------
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_stale_input_outside_the_static_buffers_is_caught_by_verify(model, mode):
+    """A forward that reads a tensor the runner does not stage (here a bias the caller *replaces* after
+    capture) replays the capture-time tensor. ``verify`` runs eager on the same padded batch, so the
+    difference shows up as a non-zero ``max_abs_diff``: the check every backend is held to."""
+    state = {"bias": torch.zeros(model.config.vocab_size, dtype=model.config.dtype, device=DEVICE)}
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor) -> torch.Tensor:
+        return model.decode_step(input_ids, positions, req_slots) + state["bias"]
+
+    runner = GraphRunner(
+        forward, phase="decode", inputs=reference_inputs(model), sizes=[2, 4], device=DEVICE, mode=mode
+    )
+    with runner:
+        runner.capture()
+        batch = make_decode_batch(model, 4, seed=1)
+        assert runner.verify(4, None, **batch).max_abs_diff == 0.0
+        state["bias"] = torch.full_like(state["bias"], 4.0)  # a new tensor: the graphs still read the old one
+        stale = runner.verify(4, None, **batch)
+        assert stale.replayed and not stale.ok
+        assert stale.max_abs_diff >= 3.0, stale
+
+
+# -- capture failures ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_capture_failure_names_the_size_and_releases_everything(model, mode):
+    """``.item()`` (a host sync) at batch size 4 only: sizes 16 and 8 capture, 4 fails; the error names
+    size 4 and nothing captured survives, in the backend or in device memory."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor) -> torch.Tensor:
+        logits = model.decode_step(input_ids, positions, req_slots)
+        if input_ids.shape[0] == 4:
+            logits = logits + logits[0, 0].item()
+        return logits
+
+    runner = GraphRunner(
+        forward,
+        phase="decode",
+        inputs=reference_inputs(model),
+        sizes=[1, 2, 4, 8, 16],
+        device=DEVICE,
+        mode=mode,
+    )
+    settle()
+    base_allocated, base_reserved = allocated(), reserved()
+    with pytest.raises(CaptureError) as info:
+        runner.capture()
+    error = info.value
+    assert error.size == 4
+    assert "size 4" in str(error) and "graph_break" in str(error), str(error)
+    assert runner.backend.captured_keys() == []
+    del info, error  # the traceback holds the failed capture's tensors
+    assert_released(base_allocated, base_reserved)
+    # The runner still serves steps (eagerly) and the device is healthy.
+    batch = make_decode_batch(model, 2)
+    torch.testing.assert_close(runner.run(2, None, **batch), forward(**batch))
+    runner.close()
+
+
+@pytest.mark.parametrize("mode", ["full", "breakable"])
+def test_out_of_memory_during_capture_gives_advice(model, mode):
+    """An allocation the device cannot hold, made only while capturing size 4."""
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor) -> torch.Tensor:
+        if devgraph.is_capturing() and input_ids.shape[0] == 4:
+            torch.empty(1 << 42, dtype=torch.uint8, device=input_ids.device)  # 4 TiB
+        return model.decode_step(input_ids, positions, req_slots)
+
+    runner = GraphRunner(
+        forward, phase="decode", inputs=reference_inputs(model), sizes=[2, 4, 8], device=DEVICE, mode=mode
+    )
+    settle()
+    base_allocated, base_reserved = allocated(), reserved()
+    with pytest.raises(CaptureError) as info:
+        runner.capture()
+    message = str(info.value)
+    assert info.value.size == 4
+    assert "out of device memory" in message and "max_size" in message and "decode=disabled" in message
+    assert runner.backend.captured_keys() == []
+    del info
+    assert_released(base_allocated, base_reserved)
+    runner.close()
+
+
+# -- memory --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_close_returns_the_graph_memory(model, mode):
+    settle()
+    base_allocated, base_reserved = allocated(), reserved()
+    runner = decode_runner(model, mode=mode, sizes=[1, 8, 32, 64])
+    report = runner.capture()
+    batch = make_decode_batch(model, 32)
+    runner.run(32, None, **batch)
+    settle()
+    held = reserved() - base_reserved
+    assert report.bytes > 0 and held >= report.bytes // 2, (report.bytes, held)
+    runner.close()
+    assert_released(base_allocated, base_reserved, held)
+
+
+# -- break ops read live state -------------------------------------------------------------------------
+@graph_break("devgraph_test_cuda::scale_by_context")
+def scale_by_context(x: torch.Tensor) -> torch.Tensor:
+    """Multiplies by the live context's ``scale`` (a host float that changes per step)."""
+    context = devgraph.get_forward_context()
+    return x * (context.scale if context is not None else 1.0)
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return scale_by_context(torch.sin(x) + 1.0) * 2.0
+
+
+@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+def test_break_ops_read_the_live_forward_context(model, mode):
+    runner = GraphRunner(
+        _scaled,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (64,))},
+        sizes=[2, 4, 8],
+        device=DEVICE,
+        mode=mode,
+    )
+    with runner:
+        runner.capture()
+        gen = torch.Generator().manual_seed(0)
+        for n, scale in ((8, 3.0), (3, 0.5), (8, -2.0), (1, 7.0), (6, 1.0)):
+            x = torch.randn(n, 64, generator=gen).to(DEVICE)
+            out = runner.run(n, SimpleNamespace(scale=scale), x=x)
+            torch.testing.assert_close(out, (torch.sin(x) + 1.0) * scale * 2.0)
+
+
+def test_full_bakes_the_capture_time_context_into_the_graph():
+    """The counterpart: ``full`` captures the break op's kernels, so a per-step host value is frozen at
+    its capture-time value (no context: 1.0). Host state that changes per step needs a break-op mode."""
+    runner = GraphRunner(
+        _scaled,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (64,))},
+        sizes=[4],
+        device=DEVICE,
+        mode="full",
+    )
+    with runner:
+        runner.capture()
+        x = torch.randn(4, 64).to(DEVICE)
+        out = runner.run(4, SimpleNamespace(scale=3.0), x=x)
+        torch.testing.assert_close(out, (torch.sin(x) + 1.0) * 2.0)
+
+
+# -- capture-time behaviour ----------------------------------------------------------------------------
+@graph_break("devgraph_test_cuda::probe")
+def probe(x: torch.Tensor) -> torch.Tensor:
+    """Records what the eager side of a capture looks like: size, stream, gc state."""
+    platform = devgraph.resolve_platform(x.device)
+    PROBES.append((x.shape[0], platform.current_stream(), gc.get_freeze_count() > 0))
+    return x * 1.0
+
+
+PROBES: list[tuple[int, Any, bool]] = []
+
+
+def _probed(x: torch.Tensor) -> torch.Tensor:
+    return probe(torch.cos(x)) + 1.0
+
+
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_capture_is_largest_first_on_one_stream_and_pool_with_gc_frozen_and_a_report(mode, capsys):
+    sizes = [1, 2, 4, 8]
+    runner = GraphRunner(
+        _probed,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (32,))},
+        sizes=sizes,
+        device=DEVICE,
+        mode=mode,
+        progress=True,
+    )
+    platform = runner.platform
+    PROBES.clear()
+    with runner:
+        report = runner.capture()
+        seen = list(PROBES)
+        # Warm-ups (2 per size) and the capture itself, largest size first.
+        assert [size for size, _, _ in seen] == [s for s in reversed(sizes) for _ in range(3)]
+        capture_stream = seen[0][1]
+        assert all(stream == capture_stream for _, stream, _ in seen), "warm-up and capture left the stream"
+        assert capture_stream != platform.current_stream(), "captured on the stream the engine runs on"
+        if ON_CUDA:  # one capture stream for the process (its cuBLAS workspace is allocated once)
+            assert capture_stream == platform.new_stream()
+        assert all(frozen for _, _, frozen in seen), "gc was not frozen during capture"
+        assert gc.get_freeze_count() == 0
+        pools = {g.pool() for g in graphs_of(runner)} if ON_CUDA else {None}
+        assert len(pools) == 1, "sizes were captured into more than one pool"
+        assert [s.size for s in report.sizes] == sizes
+        assert all(s.seconds > 0 for s in report.sizes) and report.seconds > 0
+        assert report.bytes > 0
+        assert f"{report.backend} on {report.platform}" in report.table()
+        assert f"capturing decode ({mode})" in capsys.readouterr().err
+        x = torch.randn(3, 32).to(DEVICE)
+        torch.testing.assert_close(runner.run(3, None, x=x), torch.cos(x) + 1.0)
+
+
+# -- the plug-in -------------------------------------------------------------------------------------
+def test_cuda_platform_backends_and_defaults():
+    from devgraph_cuda.plugin import DEFAULTS
+
+    platform = devgraph.resolve_platform(DEVICE)
+    if not ON_CUDA:
+        pytest.skip("platform checks need the GPU")
+    assert platform.name == "cuda" and platform.availability()
+    assert "CUDA" in platform.describe()
+    for phase, mode in DEFAULTS.items():
+        assert devgraph.create_backend(DEVICE, phase, "auto").name == mode
+    for mode in STRATEGIES:
+        backend = devgraph.create_backend(DEVICE, "prefill", mode)
+        assert type(backend).__module__ == "devgraph_cuda.backends"
+    free, total = platform.mem_get_info()
+    assert 0 < free <= total
