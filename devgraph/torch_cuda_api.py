@@ -80,8 +80,8 @@ class TorchCudaGraphPlatform(GraphPlatform):
         ):
             return CaptureError(
                 "an op synchronized with the host or used a non-capturable API during capture "
-                f"({text.splitlines()[0]}); remove .item()/.tolist()/.cpu()/nonzero and data-dependent shapes "
-                "from the captured forward, or make that op a @devgraph.graph_break op",
+                f"({text.splitlines()[0]}); remove .item()/.tolist()/.cpu()/nonzero and data-dependent "
+                "shapes from the captured forward, or make that op a @devgraph.graph_break op",
                 size=size,
             )
         return None
