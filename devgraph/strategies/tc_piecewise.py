@@ -18,6 +18,7 @@ import torch
 
 from devgraph.breaks import is_break_target
 from devgraph.errors import CaptureError, ConfigError, RecompileError
+from devgraph.platform import Availability, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.breakable import SegmentRecorder
 from devgraph.strategies.plan import SegmentedPlan
@@ -128,6 +129,19 @@ class TcPiecewiseBackend(GraphStrategy):
         self._sealed = False
         self._recorder: SegmentRecorder | None = None
         self._compiled: Callable[..., Any] | None = None
+
+    @classmethod
+    def availability(cls, platform: GraphPlatform) -> Availability:
+        base = platform.availability()
+        if not base:
+            return base
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception as exc:  # e.g. a Python version this torch's dynamo does not support
+            return Availability(
+                False, f"torch.compile is unavailable here ({exc}); use 'full' or 'breakable'"
+            )
+        return Availability(True)
 
     # -- compilation -----------------------------------------------------------------------------
     def wrap_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,7 +6,6 @@ import importlib.util
 from typing import Any
 
 from devgraph.errors import BackendUnavailableError
-from devgraph.platform import Availability, GraphPlatform
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 
 __all__ = ["CudaFullGraphBackend", "CudaBreakableBackend", "CudaTcPiecewiseBackend"]
@@ -31,14 +30,3 @@ class CudaTcPiecewiseBackend(TcPiecewiseBackend):
                 "tc_piecewise with compiler 'inductor' needs Triton on NVIDIA GPUs (pip install triton, or "
                 "the torch wheel that bundles it); use compiler 'eager' or mode 'breakable'"
             )
-
-    @classmethod
-    def availability(cls, platform: GraphPlatform) -> Availability:
-        base = platform.availability()
-        if not base:
-            return base
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception as exc:  # e.g. a Python version this torch's dynamo does not support
-            return Availability(False, f"torch.compile is unavailable here ({exc}); use 'breakable'")
-        return Availability(True)

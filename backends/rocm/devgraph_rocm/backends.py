@@ -53,17 +53,6 @@ class RocmFullGraphBackend(_CaptureStreamGuard, FullGraphBackend):
 class RocmTcPiecewiseBackend(_CaptureStreamGuard, TcPiecewiseBackend):
     """torch.compile pieces, each captured as a HIP graph per size (the prefill and encode default)."""
 
-    @classmethod
-    def availability(cls, platform: GraphPlatform) -> Availability:
-        base = platform.availability()
-        if not base:
-            return base
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception as exc:  # e.g. a Python version this torch's dynamo does not support
-            return Availability(False, f"torch.compile is unavailable here ({exc}); use 'full' or 'disabled'")
-        return Availability(True)
-
 
 class RocmBreakableBackend(BreakableBackend):
     """Registered so ``devgraph info`` says why it is refused; it never runs."""
