@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from devgraph.backend import Batch, DeviceGraphBackend
 from devgraph.config import DeviceGraphConfig, ResolvedPhase
@@ -100,8 +101,6 @@ class VerifyResult:
 
 
 def _default_rtol(outputs: Any) -> float:
-    from torch.utils import _pytree as pytree
-
     low_precision = any(
         isinstance(t, torch.Tensor) and t.element_size() <= 2 and t.is_floating_point()
         for t in pytree.tree_leaves(outputs)
@@ -110,8 +109,6 @@ def _default_rtol(outputs: Any) -> float:
 
 
 def _max_abs(outputs: Any) -> float:
-    from torch.utils import _pytree as pytree
-
     values = [
         t.detach().abs().max().item()
         for t in pytree.tree_leaves(outputs)
@@ -121,8 +118,6 @@ def _max_abs(outputs: Any) -> float:
 
 
 def _max_abs_diff(a: Any, b: Any) -> float:
-    from torch.utils import _pytree as pytree
-
     worst = 0.0
     for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b), strict=True):
         if isinstance(x, torch.Tensor):
@@ -483,6 +478,4 @@ def _slice_rows(outputs: Any, n: int, size: int) -> Any:
 
 
 def _clone(outputs: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
