@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from devgraph._trees import clone_tree, max_abs, max_abs_diff
 from devgraph.backend import Batch, DeviceGraphBackend
 from devgraph.config import DeviceGraphConfig, ResolvedPhase
 from devgraph.context import forward_context
@@ -106,26 +107,6 @@ def _default_rtol(outputs: Any) -> float:
         for t in pytree.tree_leaves(outputs)
     )
     return 2e-2 if low_precision else 1e-4
-
-
-def _max_abs(outputs: Any) -> float:
-    values = [
-        t.detach().abs().max().item()
-        for t in pytree.tree_leaves(outputs)
-        if isinstance(t, torch.Tensor) and t.numel() and (t.is_floating_point() or t.is_complex())
-    ]
-    return max(values, default=0.0)
-
-
-def _max_abs_diff(a: Any, b: Any) -> float:
-    worst = 0.0
-    for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b), strict=True):
-        if isinstance(x, torch.Tensor):
-            if x.shape != y.shape:
-                return float("inf")
-            if x.numel():
-                worst = max(worst, (x.double() - y.double()).abs().max().item())
-    return worst
 
 
 class GraphRunner:
@@ -409,8 +390,8 @@ class GraphRunner:
         if n is None:
             n = next(iter(inputs.values())).shape[0]
         size = self.bucket(n) if self._captured else None
-        graph_out = _clone(self.run(n, context, **inputs))
-        unpadded = _clone(self._run_eager(context, inputs))
+        graph_out = clone_tree(self.run(n, context, **inputs))
+        unpadded = clone_tree(self._run_eager(context, inputs))
         replayed = size is not None and self.backend.has_shape(size)
         if replayed:
             with forward_context(context):
@@ -421,9 +402,9 @@ class GraphRunner:
             n,
             size,
             replayed,
-            _max_abs_diff(graph_out, padded),
-            _max_abs_diff(graph_out, unpadded),
-            _max_abs(unpadded),
+            max_abs_diff(graph_out, padded),
+            max_abs_diff(graph_out, unpadded),
+            max_abs(unpadded),
             rtol if rtol is not None else _default_rtol(unpadded),
         )
 
@@ -475,7 +456,3 @@ def _slice_rows(outputs: Any, n: int, size: int) -> Any:
     if isinstance(outputs, dict):
         return {k: _slice_rows(v, n, size) for k, v in outputs.items()}
     return outputs
-
-
-def _clone(outputs: Any) -> Any:
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch.utils import _pytree as pytree
 
+from devgraph._trees import max_abs, max_abs_diff
 from devgraph.backend import BackendOptions, DeviceGraphBackend
 from devgraph.errors import BackendUnavailableError, ConfigError
 from devgraph.phases import PHASES
@@ -326,34 +326,6 @@ def resolve_spec(registry: Registry, target: Target) -> BackendSpec:
             "the plug-in that provides it and check `devgraph info`"
         )
     return spec
-
-
-def max_abs_diff(a: Any, b: Any) -> float:
-    """Largest absolute difference between two pytrees of tensors (``inf`` on a shape mismatch)."""
-    worst = 0.0
-    leaves_a, leaves_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
-    if len(leaves_a) != len(leaves_b):
-        return float("inf")
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape:
-                return float("inf")
-            if x.numel():
-                worst = max(worst, (x.detach().double().cpu() - y.detach().double().cpu()).abs().max().item())
-    return worst
-
-
-def max_abs(a: Any) -> float:
-    values = [
-        t.detach().abs().max().item()
-        for t in pytree.tree_leaves(a)
-        if isinstance(t, torch.Tensor) and t.numel() and t.is_floating_point()
-    ]
-    return max(values, default=0.0)
-
-
-def clone_tree(a: Any) -> Any:
-    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, a)
 
 
 @contextlib.contextmanager
