@@ -62,6 +62,13 @@ def accumulate(total: torch.Tensor, x: torch.Tensor) -> None:
     total.add_(x)
 
 
+@graph_break("devgraph_test_sim::accumulate_twice", mutates_args=("total",))
+def accumulate_twice(total: torch.Tensor, x: torch.Tensor) -> None:
+    """A break op whose body calls another break op: both bodies are traced op by op."""
+    accumulate(total, x)
+    accumulate(total, x)
+
+
 @graph_break("devgraph_test_sim::scale_by_context", mutates_args=())
 def scale_by_context(x: torch.Tensor) -> torch.Tensor:
     """A break op reading per-step host state, which a graph can only hold as captured."""
@@ -164,10 +171,10 @@ def test_in_place_ops_and_views_replay_like_eager(platform: CpuSimPlatform) -> N
 def test_in_place_write_to_a_captured_input_repeats_each_replay(platform: CpuSimPlatform) -> None:
     state = torch.zeros(2)
     graph, _ = _capture(platform, lambda: state.add_(1))
-    assert state.tolist() == [1.0, 1.0]
+    assert state.tolist() == [0.0, 0.0]  # as on a device: the capture records the write, makes none
     graph.replay()
     graph.replay()
-    assert state.tolist() == [3.0, 3.0]  # as on a device: the kernel writes again on every launch
+    assert state.tolist() == [2.0, 2.0]  # as on a device: the kernel writes again on every launch
 
 
 def test_multi_output_ops_replay(platform: CpuSimPlatform) -> None:
@@ -439,11 +446,11 @@ def test_graph_break_op_replays_correctly(platform: CpuSimPlatform) -> None:
         return y
 
     graph, y = _capture(platform, forward)
-    assert y.tolist() == [3.0, 5.0] and total.tolist() == [3.0, 5.0]
+    assert y.tolist() == [3.0, 5.0] and total.tolist() == [0.0, 0.0]  # the write is undone at capture end
     x.copy_(torch.tensor([10.0, 20.0]))
     graph.replay()
     assert y.tolist() == [21.0, 41.0]
-    assert total.tolist() == [24.0, 46.0]  # the write into `total` is part of the graph
+    assert total.tolist() == [21.0, 41.0]  # the write into `total` is part of the graph
     # Captured like a device captures it: the ops the bodies issued, not the Python bodies.
     assert graph.op_names == ("aten.mul.Tensor", "aten.add.Tensor", "aten.add_.Tensor")
 
@@ -543,3 +550,160 @@ def test_graph_replayed_during_another_capture_becomes_one_step(platform: CpuSim
     x.fill_(5.0)
     outer.replay()
     assert out.tolist() == [11.0, 11.0, 11.0]
+
+
+# -- side effects: a capture leaves older memory as it found it, as a device capture does ---------------
+def test_captured_counter_is_unchanged_by_capture_and_advances_once_per_replay(
+    platform: CpuSimPlatform,
+) -> None:
+    counter = torch.zeros((), dtype=torch.int64)  # a stateful forward's step counter
+
+    def forward() -> torch.Tensor:
+        counter.add_(1)
+        return counter * 10
+
+    graph, out = _capture(platform, forward)
+    assert int(counter) == 0
+    assert int(out) == 10  # computed during the capture into memory the capture allocated: kept
+    for step in (1, 2, 3):
+        graph.replay()
+        assert int(counter) == step and int(out) == 10 * step
+
+
+def test_cache_write_is_undone_at_capture_end_and_redone_at_replay(platform: CpuSimPlatform) -> None:
+    cache = torch.zeros(4, 3)  # a KV cache that exists before the capture
+    slots = torch.tensor([2])  # static inputs of the step
+    new = torch.ones(1, 3)
+
+    def forward() -> torch.Tensor:
+        cache[slots] = new * 5  # aten.index_put_
+        return cache.sum(0)
+
+    graph, column_sums = _capture(platform, forward)
+    assert "aten.index_put_.default" in graph.op_names
+    assert torch.equal(cache, torch.zeros(4, 3))
+    assert column_sums.tolist() == [5.0, 5.0, 5.0]
+    slots.fill_(0)
+    new.fill_(2.0)
+    graph.replay()
+    expected = torch.zeros(4, 3)
+    expected[0] = 10.0
+    assert torch.equal(cache, expected)
+    assert column_sums.tolist() == [10.0, 10.0, 10.0]
+
+
+# Each way an op writes an argument, applied to memory that exists before the capture.
+WRITES: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "in_place": lambda t, v: t.mul_(v).add_(v),
+    "out_variant": lambda t, v: torch.add(v, 1, out=t),
+    "copy": lambda t, v: t.copy_(v * 3),
+    "index_put": lambda t, v: t.index_put_((torch.tensor([0, 2]),), v[:2]),
+    "foreach": lambda t, v: torch._foreach_add_([t], [v]),
+    "fill_view": lambda t, v: t[1:].fill_(-1.0),
+    "break_op": lambda t, v: accumulate(t, v),
+    "nested_break_ops": lambda t, v: accumulate_twice(t, v),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRITES))
+def test_every_kind_of_write_to_older_memory_is_undone_and_replayed(
+    platform: CpuSimPlatform, kind: str
+) -> None:
+    write = WRITES[kind]
+    target = torch.tensor([1.0, 2.0, 3.0])
+    values = torch.tensor([4.0, 5.0, 6.0])
+    graph, _ = _capture(platform, lambda: write(target, values))
+    assert target.tolist() == [1.0, 2.0, 3.0]
+    expected = target.clone()
+    write(expected, values)  # what one eager step does
+    graph.replay()
+    assert target.tolist() == expected.tolist()
+
+
+def test_write_through_views_of_an_older_tensor_is_undone(platform: CpuSimPlatform) -> None:
+    base = torch.arange(12.0).view(3, 4)
+    window = base.view(-1)[2:10]  # a view made before the capture, offset into the storage
+    before = base.clone()
+
+    def forward() -> torch.Tensor:
+        base[1].mul_(-1)  # a row view
+        base.t()[0].fill_(0.0)  # a strided column view
+        window.add_(100)
+        return base.sum()
+
+    graph, total = _capture(platform, forward)
+    assert torch.equal(base, before)
+    graph.replay()
+    expected = before.clone()
+    expected[1] *= -1
+    expected[:, 0] = 0.0
+    expected.view(-1)[2:10] += 100
+    assert torch.equal(base, expected)
+    assert total.item() == expected.sum().item()
+
+
+FAILING_CALLS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "item": lambda t: t.sum().item(),  # fails in the dispatch mode
+    "tolist": lambda t: t.tolist(),  # fails in the function mode
+    "nonzero": lambda t: torch.nonzero(t),
+    "in_break_op_body": lambda t: numpy_square(t),  # fails inside a traced custom-op body
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAILING_CALLS))
+def test_failed_capture_leaves_older_tensors_unchanged(platform: CpuSimPlatform, case: str) -> None:
+    counter = torch.zeros(2)
+    cache = torch.zeros(4)
+    graph = platform.new_graph()
+    platform.capture_begin(graph, None)
+    counter.add_(1)
+    cache[1:3].fill_(7.0)
+    accumulate(counter, torch.ones(2))
+    with pytest.raises(CaptureError):
+        FAILING_CALLS[case](counter * 1)
+    assert counter.tolist() == [0.0, 0.0] and cache.tolist() == [0.0, 0.0, 0.0, 0.0]
+    counter.add_(1)  # after the failure, code runs eagerly: nothing more is recorded or undone
+    platform.abort_capture(graph)
+    assert counter.tolist() == [1.0, 1.0]
+    assert not graph.is_captured
+
+
+def test_aborted_capture_leaves_older_tensors_unchanged(platform: CpuSimPlatform) -> None:
+    state = torch.zeros(3)
+    graph = platform.new_graph()
+    platform.capture_begin(graph, None)
+    state.add_(2)
+    scratch = torch.zeros(3).add_(state)
+    platform.abort_capture(graph)  # e.g. the forward raised an error of its own
+    assert state.tolist() == [0.0, 0.0, 0.0]
+    assert scratch.tolist() == [2.0, 2.0, 2.0]  # allocated by the capture: not older memory
+
+
+def test_tensors_allocated_in_the_capture_keep_their_values(platform: CpuSimPlatform) -> None:
+    weight = torch.full((3,), 2.0)
+    state = torch.zeros(3)
+
+    def forward() -> tuple[torch.Tensor, ...]:
+        buf = torch.zeros(3)
+        buf.add_(weight)  # written in place, but the capture's own memory
+        literal = torch.tensor([1.0, 2.0, 3.0])  # made from Python data during the capture
+        literal.mul_(weight)
+        state.add_(buf)  # older memory: undone
+        return buf, literal, state * 1
+
+    graph, (buf, literal, seen) = _capture(platform, forward)
+    assert buf.tolist() == [2.0, 2.0, 2.0]
+    assert literal.tolist() == [2.0, 4.0, 6.0]
+    assert seen.tolist() == [2.0, 2.0, 2.0]  # what the capture computed from the state it wrote
+    assert state.tolist() == [0.0, 0.0, 0.0]
+    graph.replay()
+    assert buf.tolist() == [2.0, 2.0, 2.0] and state.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_opaque_calls_keep_their_side_effects(platform: CpuSimPlatform) -> None:
+    """The documented limit: a call recorded whole is not seen op by op, so its writes stay."""
+    state = torch.zeros(2)
+    graph, _ = _capture(platform, lambda: platform.record_opaque(state.add_, 1))
+    assert state.tolist() == [1.0, 1.0]
+    graph.replay()
+    assert state.tolist() == [2.0, 2.0]

@@ -106,6 +106,7 @@ class CpuSimPlatform(GraphPlatform):
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
     priority: ClassVar[int] = 0
+    detects_host_sync: ClassVar[bool] = True
 
     def availability(self) -> Availability:
         """Always usable: the simulator needs nothing beyond torch."""
