@@ -7,20 +7,39 @@ from typing import Any
 
 import torch
 
+from devgraph.backend import DeviceGraphBackend
+from devgraph.errors import BackendUnavailableError
 from devgraph.phases import PHASES
-from devgraph.platform import Availability
+from devgraph.platform import Availability, ask_availability
 from devgraph.plugins import Registry, get_registry
 
 __all__ = ["collect_info", "run_info"]
 
 
 def _platform_status(registry: Registry, name: str) -> tuple[Availability, str]:
+    """A platform's availability (asked defensively: a plug-in's bug makes it unusable, with why)."""
     try:
         platform = registry.platform(name)
-        availability = platform.availability()
-        return availability, (platform.describe() if availability else name)
-    except Exception as exc:
-        return Availability(False, f"detection failed: {type(exc).__name__}: {exc}"), name
+    except BackendUnavailableError as exc:
+        return Availability(False, str(exc)), name
+    availability = ask_availability(platform.availability)
+    if not availability:
+        return availability, name
+    description = ask_availability(lambda: Availability(True, str(platform.describe())))
+    return availability, description.reason if description else name
+
+
+def _backend_status(registry: Registry, platform_name: str, cls: type[DeviceGraphBackend]) -> Availability:
+    try:
+        platform = registry.platform(platform_name)
+    except BackendUnavailableError as exc:
+        return Availability(False, str(exc))
+    return ask_availability(lambda: cls.availability(platform))
+
+
+def _owner_name(registry: Registry, rule: Any) -> str:
+    owner = registry.rule_owner(rule)
+    return owner.name if owner is not None else "direct"
 
 
 def collect_info(registry: Registry | None = None) -> dict[str, Any]:
@@ -39,25 +58,29 @@ def collect_info(registry: Registry | None = None) -> dict[str, Any]:
             }
         )
     backends = []
-    for (platform_name, name), spec in sorted(registry.backends.items()):
-        try:
-            availability = spec.cls.availability(registry.platform(platform_name))
-        except Exception as exc:
-            availability = Availability(False, f"availability check failed: {type(exc).__name__}: {exc}")
+    for (platform_name, name), backend_spec in sorted(registry.backends.items()):
+        availability = _backend_status(registry, platform_name, backend_spec.cls)
         backends.append(
             {
                 "platform": platform_name,
                 "name": name,
-                "phases": sorted(spec.phases),
-                "default_for": sorted(spec.default_for),
-                "origin": spec.origin,
+                "phases": sorted(backend_spec.phases),
+                "default_for": sorted(backend_spec.default_for),
+                "origin": backend_spec.origin,
                 "usable": availability.usable,
                 "reason": availability.reason,
-                "class": spec.cls.__qualname__,
+                "class": backend_spec.cls.__qualname__,
             }
         )
     plugins = [
-        {"name": p.name, "origin": p.origin, "status": p.status, "error": p.error, "provides": p.provides}
+        {
+            "name": p.name,
+            "origin": p.origin,
+            "status": p.status,
+            "error": p.error,
+            "provides": list(p.provides),
+            "problems": list(p.problems),
+        }
         for p in registry.plugins
     ]
     return {
@@ -66,6 +89,7 @@ def collect_info(registry: Registry | None = None) -> dict[str, Any]:
         "backends": backends,
         "plugins": plugins,
         "rules": [r.name for r in registry.rules],
+        "rule_origins": {r.name: _owner_name(registry, r) for r in registry.rules},
         "phases": list(PHASES),
     }
 
@@ -78,8 +102,11 @@ def run_info(*, as_json: bool = False) -> int:
     print(f"devgraph on torch {info['torch']}\n")
     print("Plug-ins:")
     for p in info["plugins"]:
-        line = f"  {p['name']:<12} {p['status']:<8} {p['origin']}"
-        print(line + (f"\n               error: {p['error']}" if p["error"] else ""))
+        print(f"  {p['name']:<12} {p['status']:<8} {p['origin']}")
+        if p["error"]:
+            print(f"               error: {p['error']}")
+        for problem in p["problems"]:
+            print(f"               problem: {problem}")
     print("\nPlatforms:")
     for p in info["platforms"]:
         state = "usable" if p["usable"] else f"unusable: {p['reason']}"
@@ -90,5 +117,6 @@ def run_info(*, as_json: bool = False) -> int:
         default = ",".join(b["default_for"]) or "-"
         print(f"  {b['platform'] + ':' + b['name']:<24} {','.join(b['phases']):<24} {default:<16} {state}")
     print("  *:eager                 every phase (no graphs; selected by 'disabled')")
-    print(f"\nCompatibility rules: {', '.join(info['rules'])}")
+    rules = ", ".join(f"{name} ({info['rule_origins'][name]})" for name in info["rules"])
+    print(f"\nCompatibility rules: {rules}")
     return 0

@@ -1,74 +1,236 @@
 """``--device-graph-mode``: the one flag an engine exposes, and its parsed form.
 
-Accepted values::
+This module only parses and validates; choosing a backend from the parsed form (``auto``, compatibility
+rules) is :func:`devgraph.factory.resolve_phase`'s job. Accepted values::
 
     auto                                   every phase uses its platform default
     disabled                               no graphs anywhere (eager)
     full                                   one mode for every phase
     decode=full,prefill=breakable          per phase
-    {"decode": "full", "prefill": {"backend": "tc_piecewise", "max_size": 2048, "compiler": "eager"}}
+    {"decode": {"backend": "full", "compiler": "inductor"}, "prefill": {"backend": "tc_piecewise",
+     "max_size": 2048, "compiler": "eager"}, "encode": {"lazy": true, "max_graphs": 16}}
+
+Mode names are checked against the registered backends through a lookup that :mod:`devgraph.plugins`
+installs (:func:`set_mode_names_lookup`), so this module imports neither the registry nor the factory.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+import reprlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from devgraph.errors import ConfigError
-from devgraph.phases import PHASES
-from devgraph.rules import Downgrade, apply_rules
+from devgraph.flag_values import (
+    COMPILING_BACKENDS,
+    INDUCTOR_MODES,
+    PHASE_KEYS,
+    ModeNames,
+    ModeNamesLookup,
+    bad,
+    check_backend_options,
+    check_combination,
+    check_field,
+    check_mode,
+    kind,
+    set_mode_names_lookup,
+)
+from devgraph.modes import shorten
+from devgraph.phases import PHASES, Phase
 
-__all__ = ["PhaseConfig", "DeviceGraphConfig", "ResolvedPhase", "add_device_graph_args", "FLAG", "GRAMMAR"]
+__all__ = [
+    "COMPILING_BACKENDS",
+    "FLAG",
+    "GRAMMAR",
+    "INDUCTOR_MODES",
+    "PHASE_KEYS",
+    "DeviceGraphConfig",
+    "PhaseConfig",
+    "add_device_graph_args",
+    "check_backend_options",
+    "device_graph_mode_type",
+    "set_mode_names_lookup",
+]
 
 FLAG = "--device-graph-mode"
 GRAMMAR = (
     "auto | disabled | MODE | phase=MODE[,phase=MODE] | JSON object "
-    '{"decode": MODE, "prefill": {"backend": MODE, "sizes": [..], "max_size": N, '
-    '"compiler": "eager"|"inductor"}}'
+    '{"PHASE": MODE | {"backend": MODE, "sizes": [N, ..], "max_size": N, "compiler": "eager"|"inductor", '
+    '"inductor_mode": .., "on_recompile": "warn"|"raise", "cache_dir": PATH, "warmup_iters": N, '
+    '"lazy": BOOL, "max_graphs": N, "max_graph_bytes": N}} (docs/flag.md)'
 )
-_SPECIAL_MODES = ("auto", "disabled", "eager")
-_PHASE_KEYS = ("backend", "sizes", "max_size", "compiler")
-_COMPILERS = ("eager", "inductor")
+#: The flag's text is bounded before anything parses it (a JSON config of every phase fits easily).
+MAX_FLAG_CHARS = 65536
+#: ``{"phase": {"key": [..]}}`` is three levels; anything deeper is not a config.
+MAX_JSON_DEPTH = 4
+#: Integers in the JSON are bounded before ``int()`` sees them (Python refuses over 4300 digits anyway).
+MAX_INT_DIGITS = 20
 
 
 @dataclass(frozen=True)
 class PhaseConfig:
-    """What the flag says for one phase; ``None`` fields mean "the engine's or platform's default"."""
+    """What the flag says for one phase; ``None`` fields mean "the engine's or platform's default".
+
+    * ``backend``: the mode (``auto``, ``disabled``, ``eager``, ``full``, ``breakable``, ``tc_piecewise``
+      or a plug-in's name).
+    * ``sizes`` / ``max_size``: what to capture (bounded per phase, see :mod:`devgraph.sizes`).
+    * ``compiler`` / ``inductor_mode``: how ``full`` and ``tc_piecewise`` compile the forward.
+    * ``on_recompile``: ``warn`` or ``raise`` when torch.compile recompiles after capture.
+    * ``cache_dir``: where compile artifacts are kept for warm restarts.
+    * ``warmup_iters``: warm-up runs before each capture (0 to 16).
+    * ``lazy``: capture each key on first sight instead of at start-up (the encoder cache), bounded by
+      ``max_graphs`` graphs and ``max_graph_bytes`` bytes.
+    """
 
     backend: str = "auto"
     sizes: tuple[int, ...] | None = None
     max_size: int | None = None
-    compiler: str | None = None
+    compiler: Literal["eager", "inductor"] | None = None
+    inductor_mode: str | None = None
+    on_recompile: Literal["warn", "raise"] | None = None
+    cache_dir: str | None = None
+    warmup_iters: int | None = None
+    lazy: bool | None = None
+    max_graphs: int | None = None
+    max_graph_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                checked = check_field(f.name, value, f"PhaseConfig.{f.name}", None, None)
+                object.__setattr__(self, f.name, checked)
+        check_combination({f.name: getattr(self, f.name) for f in fields(self)}, "")
+
+    def backend_options(self) -> dict[str, Any]:
+        """The keys a backend takes (``create_backend(options=...)``), without the unset ones."""
+        keys = ("compiler", "inductor_mode", "on_recompile", "cache_dir")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+    def to_json(self) -> dict[str, Any]:
+        """The keys that differ from the defaults, as the flag's JSON object (``sizes`` as a list)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value != f.default:
+                out[f.name] = list(value) if f.name == "sizes" else value
+        return out
 
 
-@dataclass(frozen=True)
-class ResolvedPhase:
-    """A phase's final choice after ``auto`` and the compatibility rules were applied."""
+# -- JSON reading with bounds ----------------------------------------------------------------------------
+class _JsonObject(dict):  # type: ignore[type-arg]
+    """A JSON object that remembers keys given more than once (``json`` keeps the last silently)."""
 
-    phase: str
-    platform: str
-    backend: str
-    config: PhaseConfig
-    downgrades: tuple[Downgrade, ...] = ()
+    duplicates: tuple[str, ...] = ()
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[str, Any]]) -> _JsonObject:
+        obj = cls()
+        duplicates = []
+        for key, value in pairs:
+            if key in obj and key not in duplicates:
+                duplicates.append(key)
+            obj[key] = value
+        obj.duplicates = tuple(duplicates)
+        return obj
 
 
-def _known_modes() -> list[str]:
-    from devgraph.plugins import get_registry
+def _parse_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise ConfigError(
+            f"an integer of {digits} digits ({shorten(text, 30)}) is not accepted; integers have at most "
+            f"{MAX_INT_DIGITS} digits"
+        )
+    return int(text)
 
-    return sorted(set(_SPECIAL_MODES) | set(get_registry().backend_names()))
+
+def _reject_constant(name: str) -> Any:
+    raise ConfigError(f"{name} is not a number JSON accepts; give an integer")
 
 
-def _bad(value: Any, what: str, accepted: Iterable[str], source: str) -> ConfigError:
-    accepted = list(accepted)
-    close = difflib.get_close_matches(str(value), accepted, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(
-        f"{FLAG} {source!r}: {what} {value!r} is not valid{hint}; accepted: {', '.join(accepted)}"
-    )
+def _too_deep(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than ``limit`` (checked before ``json`` recurses)."""
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
+
+
+def _load_json(source: str) -> Any:
+    if _too_deep(source, MAX_JSON_DEPTH):
+        raise ConfigError(
+            f"JSON nests deeper than {MAX_JSON_DEPTH} levels; accepted: an object of phases whose values are "
+            "a mode or an object of keys"
+        )
+    try:
+        return json.loads(
+            source,
+            object_pairs_hook=_JsonObject.from_pairs,
+            parse_int=_parse_int,
+            parse_constant=_reject_constant,
+        )
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"is not valid JSON ({exc.msg} at column {exc.colno}); accepted: {GRAMMAR}"
+        ) from None
+    except RecursionError:  # belt and braces: the depth check above should have caught it
+        raise ConfigError(f"JSON nests too deeply; accepted: {GRAMMAR}") from None
+
+
+# -- the parsed flag -------------------------------------------------------------------------------------
+def _check_phase_name(phase: object, seen: Mapping[str, Any]) -> str:
+    if not isinstance(phase, (str, Phase)):
+        raise ConfigError(
+            f"phase names are strings; got {shorten(phase)} ({kind(phase)}); accepted: {', '.join(PHASES)}"
+        )
+    name = phase.value if isinstance(phase, Phase) else phase
+    if name not in PHASES:
+        raise bad(name, "phase", PHASES)
+    if name in seen:
+        raise ConfigError(f"phase {name!r} is given twice; name each phase once")
+    return name
+
+
+def _phase_from_object(phase: str, value: Any, modes: ModeNames) -> PhaseConfig:
+    if isinstance(value, str):
+        return PhaseConfig(backend=check_mode(value, "mode", modes))
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"phase {phase!r} must be a mode name or an object with keys {', '.join(PHASE_KEYS)}; "
+            f"got {shorten(value)} ({kind(value)})"
+        )
+    duplicates = getattr(value, "duplicates", ())
+    if duplicates:
+        raise ConfigError(f"key {duplicates[0]!r} is given twice in phase {phase!r}; give each key once")
+    values: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or key not in PHASE_KEYS:
+            raise bad(key, f"key in phase {phase!r}:", PHASE_KEYS)
+        if item is None:
+            continue  # JSON null: the default, as if the key were absent
+        what = f"{phase}.{key}" if key != "backend" else "mode"
+        values[key] = check_field(key, item, what, phase, modes)
+    check_combination(values, f"{phase}.")
+    return PhaseConfig(**values)
 
 
 @dataclass(frozen=True)
@@ -79,126 +241,98 @@ class DeviceGraphConfig:
     source: str = "auto"
 
     @classmethod
-    def parse(cls, text: str | None, *, known_modes: Iterable[str] | None = None) -> DeviceGraphConfig:
-        """Parse a ``--device-graph-mode`` value; :class:`ConfigError` says what is wrong and accepted."""
-        source = "auto" if text is None else str(text).strip()
-        modes = list(known_modes) if known_modes is not None else _known_modes()
-        if not source:
-            raise ConfigError(f"{FLAG} is empty; accepted: {GRAMMAR}")
-        if source.startswith("{") or source.startswith("["):
-            return cls(cls._parse_json(source, modes), source)
-        if "=" not in source:
-            mode = cls._mode(source, source, modes)
-            return cls({p: PhaseConfig(backend=mode) for p in PHASES}, source)
-        phases: dict[str, PhaseConfig] = {}
-        for item in source.split(","):
-            if item.count("=") != 1:
-                raise ConfigError(
-                    f"{FLAG} {source!r}: {item.strip()!r} is not phase=MODE; accepted: {GRAMMAR}"
-                )
-            phase, mode = (part.strip() for part in item.split("="))
-            cls._phase(phase, source, phases)
-            phases[phase] = PhaseConfig(backend=cls._mode(mode, source, modes))
-        return cls(phases, source)
+    def parse(
+        cls,
+        value: str | Mapping[str, Any] | DeviceGraphConfig | None,
+        *,
+        known_modes: Iterable[str] | ModeNamesLookup | None = None,
+    ) -> DeviceGraphConfig:
+        """Parse a ``--device-graph-mode`` value (text, or a mapping shaped like its JSON form).
 
-    @staticmethod
-    def _phase(phase: str, source: str, seen: Mapping[str, Any]) -> None:
-        if phase not in PHASES:
-            raise _bad(phase, "phase", PHASES, source)
-        if phase in seen:
-            raise ConfigError(f"{FLAG} {source!r}: phase {phase!r} is given twice; name each phase once")
-
-    @staticmethod
-    def _mode(mode: Any, source: str, modes: list[str]) -> str:
-        if not isinstance(mode, str) or mode not in modes:
-            raise _bad(mode, "mode", modes, source)
-        return mode
-
-    @classmethod
-    def _parse_json(cls, source: str, modes: list[str]) -> dict[str, PhaseConfig]:
-        try:
-            data = json.loads(source)
-        except json.JSONDecodeError as exc:
+        Mode names are checked against ``known_modes`` (names or a function returning them; the special
+        modes are always accepted), by default the registered backends. Raises :class:`ConfigError`, one
+        line naming the flag, the (shortened) value, what is wrong and what is accepted.
+        """
+        if isinstance(value, DeviceGraphConfig):
+            return value
+        modes = ModeNames(known_modes)
+        if isinstance(value, Mapping):
+            phases = _wrap(_MAPPING_REPR.repr(value), lambda: _phases_from_mapping(value, modes))
+            return cls(phases, json.dumps({p: c.to_json() for p, c in phases.items()}))
+        if value is not None and not isinstance(value, str):
             raise ConfigError(
-                f"{FLAG} {source!r} is not valid JSON ({exc.msg} at column {exc.colno}); accepted: {GRAMMAR}"
-            ) from None
-        if not isinstance(data, dict):
-            raise ConfigError(
-                f"{FLAG} {source!r}: JSON must be an object keyed by phase; accepted: {GRAMMAR}"
+                f"{FLAG} must be a string (or a mapping of phases), got {shorten(value)} ({kind(value)}); "
+                f"accepted: {GRAMMAR}"
             )
-        phases: dict[str, PhaseConfig] = {}
-        for phase, value in data.items():
-            cls._phase(phase, source, phases)
-            phases[phase] = cls._phase_json(phase, value, source, modes)
-        return phases
-
-    @classmethod
-    def _phase_json(cls, phase: str, value: Any, source: str, modes: list[str]) -> PhaseConfig:
-        if isinstance(value, str):
-            return PhaseConfig(backend=cls._mode(value, source, modes))
-        if not isinstance(value, dict):
+        if value is not None and len(value) > MAX_FLAG_CHARS:
             raise ConfigError(
-                f"{FLAG} {source!r}: phase {phase!r} must be a mode name or an object with keys "
-                f"{', '.join(_PHASE_KEYS)}"
+                f"{FLAG} {shorten(value)} is {len(value)} characters long; "
+                f"at most {MAX_FLAG_CHARS} are accepted"
             )
-        unknown = set(value) - set(_PHASE_KEYS)
-        if unknown:
-            raise _bad(sorted(unknown)[0], f"key in phase {phase!r}:", _PHASE_KEYS, source)
-        backend = cls._mode(value.get("backend", "auto"), source, modes)
-        sizes = value.get("sizes")
-        if sizes is not None and (
-            not isinstance(sizes, list) or not all(_positive_int(s) for s in sizes) or not sizes
-        ):
-            raise ConfigError(
-                f"{FLAG} {source!r}: {phase}.sizes must be a non-empty list of positive integers, "
-                f"got {sizes!r}"
-            )
-        max_size = value.get("max_size")
-        if max_size is not None and not _positive_int(max_size):
-            raise ConfigError(
-                f"{FLAG} {source!r}: {phase}.max_size must be a positive integer, got {max_size!r}"
-            )
-        compiler = value.get("compiler")
-        if compiler is not None:
-            if compiler not in _COMPILERS:
-                raise _bad(compiler, f"{phase}.compiler", _COMPILERS, source)
-            if backend not in ("tc_piecewise", "auto"):
-                raise ConfigError(
-                    f"{FLAG} {source!r}: {phase}.compiler applies to tc_piecewise only, "
-                    f"but the backend is {backend!r}"
-                )
-        return PhaseConfig(backend, tuple(sizes) if sizes else None, max_size, compiler)
+        source = "auto" if value is None else value.strip()
+        return cls(_wrap(source, lambda: _phases_from_text(source, modes)), source)
 
     def for_phase(self, phase: str) -> PhaseConfig:
         """This phase's settings (``auto`` with defaults when the flag does not name it)."""
-        return self.phases.get(phase, PhaseConfig())
-
-    def resolve(self, phase: str, platform: str, features: Mapping[str, Any] | None = None) -> ResolvedPhase:
-        """Pick the concrete backend for ``phase`` on ``platform``: ``auto`` -> default, then the rules."""
-        from devgraph.factory import resolve_mode
-        from devgraph.plugins import get_registry
-
-        registry = get_registry()
-        phase_config = self.for_phase(phase)
-        backend = resolve_mode(platform, phase, phase_config.backend, registry)
-        backend, downgrades = apply_rules(
-            phase, backend, {**(features or {}), "platform": platform}, registry.rules
-        )
-        return ResolvedPhase(phase, platform, backend, phase_config, tuple(downgrades))
+        return self.phases.get(Phase.parse(phase).value, PhaseConfig())
 
     def __str__(self) -> str:
         return self.source
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+#: Shows a bad mapping in an error without walking all of it (a 10**7-entry list stays cheap).
+_MAPPING_REPR = reprlib.Repr()
+_MAPPING_REPR.maxstring = _MAPPING_REPR.maxother = 40
+_MAPPING_REPR.maxdict = _MAPPING_REPR.maxlist = 4
 
 
-def _argparse_type(text: str) -> DeviceGraphConfig:
+def _wrap(source: str, parse: Callable[[], dict[str, PhaseConfig]]) -> dict[str, PhaseConfig]:
+    """Run ``parse``; its :class:`ConfigError` comes back prefixed with the flag and the shortened value."""
+    try:
+        return parse()
+    except ConfigError as exc:
+        raise ConfigError(f"{FLAG} {shorten(source)}: {exc}") from None
+
+
+def _phases_from_text(source: str, modes: ModeNames) -> dict[str, PhaseConfig]:
+    if not source:
+        raise ConfigError(f"is empty; accepted: {GRAMMAR}")
+    if source.startswith(("{", "[")):
+        data = _load_json(source)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"JSON must be an object keyed by phase; accepted: {GRAMMAR}")
+        return _phases_from_mapping(data, modes)
+    if "=" not in source:
+        mode = check_mode(source, "mode", modes)
+        return {p: PhaseConfig(backend=mode) for p in PHASES}
+    phases: dict[str, PhaseConfig] = {}
+    for item in source.split(","):
+        if item.count("=") != 1:
+            raise ConfigError(f"{shorten(item.strip())} is not phase=MODE; accepted: {GRAMMAR}")
+        phase, mode = (part.strip() for part in item.split("="))
+        name = _check_phase_name(phase, phases)
+        phases[name] = PhaseConfig(backend=check_mode(mode, "mode", modes))
+    return phases
+
+
+def _phases_from_mapping(data: Mapping[Any, Any], modes: ModeNames) -> dict[str, PhaseConfig]:
+    duplicates = getattr(data, "duplicates", ())
+    if duplicates:
+        raise ConfigError(f"phase {shorten(duplicates[0])} is given twice; name each phase once")
+    phases: dict[str, PhaseConfig] = {}
+    for phase, value in data.items():
+        name = _check_phase_name(phase, phases)
+        phases[name] = _phase_from_object(name, value, modes)
+    return phases
+
+
+def device_graph_mode_type(text: str) -> DeviceGraphConfig:
+    """argparse ``type=`` for ``--device-graph-mode``: a bad value becomes a one-line usage error."""
     try:
         return DeviceGraphConfig.parse(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ConfigError as exc:  # argparse names the flag already ("argument --device-graph-mode: ...")
+        message = str(exc)
+        raise argparse.ArgumentTypeError(message.removeprefix(f"{FLAG} ")) from None
 
 
 def add_device_graph_args(
@@ -208,7 +342,7 @@ def add_device_graph_args(
     parser.add_argument(
         FLAG,
         dest="device_graph_mode",
-        type=_argparse_type,
+        type=device_graph_mode_type,
         default=DeviceGraphConfig.parse(default),
         metavar="MODE",
         help=f"device-graph capture per phase: {GRAMMAR} (default: {default})",

@@ -1,4 +1,4 @@
-"""Entry point ``rocm`` in group ``devgraph``: the ROCm platform and its HIP graph backends."""
+"""Entry point ``rocm`` in group ``devgraph``: the ROCm platform, its HIP graph backends and its policy."""
 
 from __future__ import annotations
 
@@ -22,3 +22,11 @@ def devgraph_register_backends(register: Callable[..., None]) -> None:
     register(RocmFullGraphBackend, name="full", platform="rocm", default_for=("decode",))
     register(RocmTcPiecewiseBackend, name="tc_piecewise", platform="rocm", default_for=("prefill", "encode"))
     register(RocmBreakableBackend, name="breakable", platform="rocm")
+
+
+@hookimpl
+def devgraph_compatibility_rules(register: Callable[[Any], None]) -> None:
+    from devgraph_rocm.rules import ROCM_RULES
+
+    for rule in ROCM_RULES:
+        register(rule)
