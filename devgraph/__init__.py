@@ -4,10 +4,13 @@ An engine builds one :class:`GraphRunner` per phase, calls ``capture()`` at star
 every step; ``--device-graph-mode`` (see :func:`add_device_graph_args`) picks the strategy per phase.
 """
 
+from devgraph._version import __version__
 from devgraph.backend import BackendOptions, Batch, DeviceGraphBackend
 from devgraph.breaks import BreakOp, graph_break
+from devgraph.capture import CaptureReport, KeyReport
 from devgraph.config import DeviceGraphConfig, PhaseConfig, add_device_graph_args
 from devgraph.context import forward_context, get_forward_context, is_capturing, is_replaying
+from devgraph.dispatch import EagerReason
 from devgraph.errors import (
     BackendUnavailableError,
     CaptureError,
@@ -20,14 +23,17 @@ from devgraph.errors import (
 )
 from devgraph.factory import best_platform, create_backend, resolve_platform
 from devgraph.hookspecs import hookimpl
-from devgraph.phases import PHASES
-from devgraph.platform import Availability, DeviceGraph, GraphPlatform, platform_name_for_device
+from devgraph.inputs import StaticInput
+from devgraph.keys import REQUESTS, TOKENS, GraphKey
+from devgraph.modes import Compiler, SpecialMode, Strategy
+from devgraph.phases import PHASES, Phase
+from devgraph.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.plugins import get_registry, register_backend
 from devgraph.rules import CompatibilityRule
-from devgraph.runner import CaptureReport, GraphRunner, StaticInput, VerifyResult
+from devgraph.runner import GraphRunner
 from devgraph.sizes import DEFAULT_DECODE_SIZES, DEFAULT_PREFILL_SIZES, SizeSchedule, resolve_sizes
-
-__version__ = "0.1.0"
+from devgraph.state import StateHooks
+from devgraph.verify import VerifyResult
 
 __all__ = [
     "Availability",
@@ -38,6 +44,7 @@ __all__ = [
     "CaptureError",
     "CaptureReport",
     "CompatibilityRule",
+    "Compiler",
     "ConfigError",
     "DEFAULT_DECODE_SIZES",
     "DEFAULT_PREFILL_SIZES",
@@ -45,16 +52,25 @@ __all__ = [
     "DeviceGraph",
     "DeviceGraphBackend",
     "DeviceGraphConfig",
+    "EagerReason",
+    "GraphKey",
     "GraphPlatform",
     "GraphRunner",
     "InputError",
+    "KeyReport",
     "PHASES",
+    "Phase",
     "PhaseConfig",
+    "REQUESTS",
     "RecompileError",
     "RegistrationError",
     "ReplayError",
     "SizeSchedule",
+    "SpecialMode",
+    "StateHooks",
     "StaticInput",
+    "Strategy",
+    "TOKENS",
     "VerifyResult",
     "add_device_graph_args",
     "best_platform",
@@ -66,7 +82,6 @@ __all__ = [
     "hookimpl",
     "is_capturing",
     "is_replaying",
-    "platform_name_for_device",
     "register_backend",
     "resolve_platform",
     "resolve_sizes",

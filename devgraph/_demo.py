@@ -27,8 +27,8 @@ DEFAULT_PREFILL_SIZES = [16, 32, 64, 128]
 @dataclass
 class DemoRow:
     phase: str
-    n: int
-    size: int | None
+    batch: str
+    key: str | None
     eager_ms: float
     graph_ms: float
     max_abs_diff: float
@@ -57,29 +57,31 @@ def _decode_cases(sizes: list[int], max_requests: int) -> list[int]:
     return sorted(n for n in cases if 1 <= n <= max_requests)
 
 
-def _prefill_cases(sizes: list[int]) -> list[list[int]]:
-    top = max(sizes)
-    cases = [[s] for s in sizes]
+def _prefill_cases(sizes: list[int], max_seq_len: int) -> list[list[int]]:
+    top = min(max(sizes), max_seq_len)
+    cases = [[min(s, max_seq_len)] for s in sizes]
     cases.append([max(1, top // 4), max(1, top // 4) + 3])  # two requests, padded
-    cases.append([top // 2 + 1, top // 2 + 7])  # past the largest size: eager fallback
+    cases.append([max(1, top // 8)] * 4)  # four requests packed
+    cases.append([min(top // 2 + 1, max_seq_len), min(top // 2 + 7, max_seq_len)])  # past the largest: eager
     return cases
 
 
-def _measure(runner: GraphRunner, batch: dict[str, torch.Tensor], context: Any, iters: int) -> DemoRow:
-    n = next(iter(batch.values())).shape[0]
+def _measure(
+    runner: GraphRunner, label: str, batch: dict[str, torch.Tensor], context: Any, iters: int
+) -> DemoRow:
     platform = runner.platform
-    result = runner.verify(n, context, **batch)
+    result = runner.verify(context=context, **batch)
 
     def eager() -> Any:
-        with forward_context(context):
+        with forward_context(context), torch.no_grad():
             return runner.forward(**batch)
 
     eager_ms = _median_ms(eager, platform, iters)
-    graph_ms = _median_ms(lambda: runner.run(n, context, **batch), platform, iters)
+    graph_ms = _median_ms(lambda: runner.run(context=context, **batch), platform, iters)
     return DemoRow(
         runner.phase,
-        n,
-        result.size if result.replayed else None,
+        label,
+        str(result.key) if result.replayed else None,
         eager_ms,
         graph_ms,
         result.max_abs_diff,
@@ -90,16 +92,15 @@ def _measure(runner: GraphRunner, batch: dict[str, torch.Tensor], context: Any, 
 def _print_table(title: str, rows: list[DemoRow]) -> None:
     print(f"\n{title}")
     header = (
-        f"  {'n':>6} {'graph size':>10} {'eager ms':>10} {'graph ms':>10} {'speedup':>8} "
+        f"  {'batch':>14} {'graph key':>26} {'eager ms':>9} {'graph ms':>9} {'speedup':>8} "
         f"{'max|graph-eager|':>17} {'vs eager(n)':>12}"
     )
     print(header)
     print("  " + "-" * (len(header) - 2))
     for r in rows:
-        size = str(r.size) if r.size is not None else "eager"
         print(
-            f"  {r.n:>6} {size:>10} {r.eager_ms:>10.3f} {r.graph_ms:>10.3f} {r.speedup:>7.2f}x "
-            f"{r.max_abs_diff:>17.3g} {r.max_abs_diff_unpadded:>12.3g}"
+            f"  {r.batch:>14} {r.key or 'eager':>26} {r.eager_ms:>9.3f} {r.graph_ms:>9.3f} "
+            f"{r.speedup:>7.2f}x {r.max_abs_diff:>17.3g} {r.max_abs_diff_unpadded:>12.3g}"
         )
 
 
@@ -107,11 +108,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from devgraph.reference import (
         ReferenceConfig,
         ReferenceModel,
-        decode_context,
+        batch_context,
         decode_runner,
         make_decode_batch,
         make_prefill_batch,
-        prefill_context,
         prefill_runner,
     )
 
@@ -121,10 +121,13 @@ def run_demo(args: argparse.Namespace) -> int:
     on_cpu = device.type == "cpu"
     preset = args.preset or ("tiny" if on_cpu else "qwen3-0.6b")
     iters = args.iters or (10 if on_cpu else 20)
-    model_config = ReferenceConfig.preset(preset)
+    overrides: dict[str, Any] = {}
+    if getattr(args, "attention", None):
+        overrides["attention"] = args.attention
+    model_config = ReferenceConfig.preset(preset, **overrides)
     print(
-        f"devgraph demo: reference model '{preset}' ({model_config.dtype}) "
-        f"on {platform.describe()} [{device}]"
+        f"devgraph demo: reference model '{preset}' ({model_config.dtype}, "
+        f"{model_config.attention} attention) on {platform.describe()} [{device}]"
     )
     print(f"--device-graph-mode {config.source}")
     model = ReferenceModel(model_config, device=device, seed=args.seed)
@@ -137,53 +140,47 @@ def run_demo(args: argparse.Namespace) -> int:
         "device": str(device),
         "platform": platform.describe(),
         "mode": config.source,
+        "attention": model_config.attention,
         "phases": {},
     }
+    seq = model_config.max_seq_len
+    decode_batches = [
+        (f"{n} req", make_decode_batch(model, n, seq_lens=min(seq, 48 + 7 * n), seed=args.seed + n))
+        for n in _decode_cases(decode_sizes, model_config.max_requests)
+    ]
+    prefill_batches = [
+        ("+".join(map(str, lens)), make_prefill_batch(model, lens, seed=args.seed))
+        for lens in _prefill_cases(prefill_sizes, seq)
+        if len(lens) <= model_config.max_requests
+    ]
     phases = (
-        (
-            "decode",
-            decode_runner,
-            decode_sizes,
-            [
-                (make_decode_batch(model, n, seed=args.seed + n), None)
-                for n in _decode_cases(decode_sizes, model_config.max_requests)
-            ],
-            decode_context,
-        ),
-        (
-            "prefill",
-            prefill_runner,
-            prefill_sizes,
-            [
-                (make_prefill_batch(model, lens, seed=args.seed), lens)
-                for lens in _prefill_cases(prefill_sizes)
-            ],
-            None,
-        ),
+        ("decode", decode_runner, decode_sizes, decode_batches),
+        ("prefill", prefill_runner, prefill_sizes, prefill_batches),
     )
-    for phase, build, sizes, batches, decode_ctx in phases:
+    for phase, build, sizes, batches in phases:
         with build(model, config=config, sizes=sizes) as runner:
             report = runner.capture()
             print(f"\n{report.table()}")
-            rows = []
-            for batch, lens in batches:
-                context = decode_ctx(batch) if decode_ctx else prefill_context(lens)
-                rows.append(_measure(runner, batch, context, iters))
+            rows = [_measure(runner, label, batch, batch_context(batch), iters) for label, batch in batches]
             _print_table(f"{phase} ({runner.backend.name}): median over {iters} runs", rows)
+            stats = runner.stats()
+            print(
+                f"  steps {stats['steps']}: {stats['replays']} replayed, {stats['eager']} eager "
+                f"({', '.join(f'{k} {v}' for k, v in stats['eager_by_reason'].items() if v) or 'none'}); "
+                f"padding waste {stats['padding_waste']:.1%}"
+            )
             results["phases"][phase] = {
                 "backend": runner.backend.name,
-                "capture": asdict(report),
+                "capture": {
+                    "seconds": report.seconds,
+                    "bytes": report.bytes,
+                    "keys": [str(k.key) for k in report.keys],
+                },
                 "rows": [asdict(r) for r in rows],
+                "stats": stats,
             }
     worst = max(r["max_abs_diff"] for p in results["phases"].values() for r in p["rows"])
     print(f"\nmax |graph - eager| over every size, same padded batch: {worst:.3g}")
-    if worst:
-        print(
-            "  non-zero where a graph attends over the whole KV-cache window while eager steps trim it to "
-            "the "
-            "forward context's max_seq_len (float32 sums round differently; see docs/user-guide.md, "
-            "'Checking a runner')"
-        )
     if on_cpu:
         print(
             "note: on the CPU, graphs are simulated (replay re-runs the recorded ops), so they check "

@@ -1,40 +1,53 @@
-"""Comparisons over a forward's outputs (a tensor or a tuple/list/dict of them), for verify() and the kit."""
+"""Comparisons over a forward's outputs (any pytree of tensors), for verify() and the conformance kit."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-__all__ = ["max_abs_diff", "max_abs", "clone_tree"]
+from devgraph.outputs import copy_tree, flatten
+
+__all__ = ["max_abs_diff", "max_abs", "clone_tree", "tensor_leaves"]
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor leaf of ``tree`` (dataclasses registered as pytree nodes first)."""
+    return [t for t in flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def max_abs_diff(a: Any, b: Any) -> float:
     """Largest absolute difference between two pytrees of tensors (``inf`` if structure or shapes differ)."""
-    leaves_a, leaves_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    leaves_a, leaves_b = tensor_leaves(a), tensor_leaves(b)
     if len(leaves_a) != len(leaves_b):
         return float("inf")
     worst = 0.0
     for x, y in zip(leaves_a, leaves_b, strict=True):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape:
-                return float("inf")
-            if x.numel():
-                worst = max(worst, (x.detach().double().cpu() - y.detach().double().cpu()).abs().max().item())
+        if x.shape != y.shape:
+            return float("inf")
+        if x.numel():
+            diff = (x.detach().double().cpu() - y.detach().double().cpu()).abs().max().item()
+            if diff != diff:  # NaN on one side only is a difference; NaN on both at the same place is not
+                same_nan = torch.equal(x.detach().cpu().isnan(), y.detach().cpu().isnan())
+                diff = (
+                    (x.detach().double().cpu() - y.detach().double().cpu()).nan_to_num(0.0).abs().max().item()
+                    if same_nan
+                    else float("inf")
+                )
+            worst = max(worst, diff)
     return worst
 
 
 def max_abs(a: Any) -> float:
     """Largest absolute value over the floating-point (or complex) tensors of a pytree; 0 if none."""
     values = [
-        t.detach().abs().max().item()
-        for t in pytree.tree_leaves(a)
-        if isinstance(t, torch.Tensor) and t.numel() and (t.is_floating_point() or t.is_complex())
+        t.detach().abs().nan_to_num(0.0).max().item()
+        for t in tensor_leaves(a)
+        if t.numel() and (t.is_floating_point() or t.is_complex())
     ]
     return max(values, default=0.0)
 
 
 def clone_tree(a: Any) -> Any:
     """A detached copy of every tensor in a pytree (graph outputs are overwritten by the next replay)."""
-    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, a)
+    return copy_tree(a)

@@ -1,18 +1,62 @@
-"""The phases an engine runs, each with its own runner, sizes and backend choice."""
+"""The phases an engine runs, each with its own runner, sizes and backend choice.
+
+A phase is a closed set of names (``decode``, ``prefill``, ``encode``, ``verify``); :class:`Phase` carries
+what differs between them, so callers ask the phase rather than compare strings.
+"""
 
 from __future__ import annotations
 
-__all__ = ["PHASES", "check_phase"]
+from enum import Enum
 
 from devgraph.errors import ConfigError
 
-#: decode: one token per request (sizes are batch sizes);
-#: prefill / encode: packed tokens (sizes are token counts).
-PHASES: tuple[str, ...] = ("decode", "prefill", "encode")
+__all__ = ["PHASES", "Phase", "check_phase"]
 
 
-def check_phase(phase: str) -> str:
-    """Return ``phase`` if known, else raise :class:`ConfigError` listing the accepted phases."""
-    if phase not in PHASES:
-        raise ConfigError(f"unknown phase {phase!r}; accepted: {', '.join(PHASES)}")
-    return phase
+class Phase(str, Enum):
+    """One step type of an inference engine.
+
+    * ``decode``: one new token per request; sizes are batch sizes.
+    * ``verify``: speculative-decoding verification, ``1 + k`` tokens per request; sizes are token counts,
+      multiples of ``1 + k``.
+    * ``prefill``: packed prompt tokens of several requests; sizes are token counts.
+    * ``encode``: packed encoder tokens (image patches); sizes are token counts, often captured lazily.
+    """
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+    ENCODE = "encode"
+    VERIFY = "verify"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every request brings the same number of tokens (so requests follow from tokens)."""
+        return self in (Phase.DECODE, Phase.VERIFY)
+
+    @property
+    def size_unit(self) -> str:
+        """What a size of this phase counts, for messages and reports."""
+        return "batch size" if self is Phase.DECODE else "token count"
+
+    @classmethod
+    def parse(cls, value: object) -> Phase:
+        """``value`` as a :class:`Phase`; :class:`ConfigError` listing the accepted names otherwise."""
+        if isinstance(value, Phase):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            raise ConfigError(f"unknown phase {shown}; accepted: {', '.join(PHASES)}") from None
+
+
+#: Every phase name, in the order docs and reports list them.
+PHASES: tuple[str, ...] = tuple(p.value for p in Phase)
+
+
+def check_phase(phase: object) -> str:
+    """Return ``phase``'s name if it is a known phase, else raise :class:`ConfigError` listing them."""
+    return Phase.parse(phase).value

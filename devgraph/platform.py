@@ -15,8 +15,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from devgraph.errors import CaptureError
+from devgraph.modes import shorten
 
-__all__ = ["Availability", "DeviceGraph", "GraphPlatform", "platform_name_for_device"]
+__all__ = ["Availability", "DeviceGraph", "GraphPlatform", "ask_availability", "describe_error"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,35 @@ class Availability:
 
     def __bool__(self) -> bool:
         return self.usable
+
+
+def describe_error(exc: BaseException, limit: int = 200) -> str:
+    """``"RuntimeError: message"`` on one line, the message cut to ``limit`` characters (a plug-in's
+    exception text is not ours to print whole)."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = f"{text[: limit - 3]}..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def ask_availability(ask: Callable[[], object]) -> Availability:
+    """Call a plug-in's ``availability()`` defensively: only a real :class:`Availability` counts.
+
+    A method that raises, or answers with a bool or anything else, makes its platform or backend unusable
+    with a reason that says so, instead of passing for usable (``bool(True)``) or breaking the caller.
+    """
+    try:
+        answer = ask()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit from a vendor probe included: one platform, not the process
+        return Availability(False, f"availability() raised {describe_error(exc)}")
+    if isinstance(answer, Availability):
+        return answer
+    kind = "a bool" if isinstance(answer, bool) else f"a {type(answer).__name__}"
+    return Availability(
+        False, f"availability() returned {shorten(answer)} ({kind}), not devgraph.Availability"
+    )
 
 
 @runtime_checkable
@@ -52,6 +82,12 @@ class GraphPlatform(ABC):
     name: ClassVar[str]
     device_type: ClassVar[str]
     priority: ClassVar[int] = 0
+    #: Whether a capture on this platform fails when the forward syncs with the host (``.item()``);
+    #: the conformance kit may skip its host-sync check only where this is False.
+    detects_host_sync: ClassVar[bool] = False
+    #: Eager runs of the forward on the capture stream before each key's capture (lazy handles, cuBLAS
+    #: workspaces and compiles happen there, not inside the capture).
+    warmup_iters: ClassVar[int] = 2
 
     # -- detection -------------------------------------------------------------------------------
     @abstractmethod
@@ -89,6 +125,24 @@ class GraphPlatform(ABC):
             self.capture_end(graph)
         with contextlib.suppress(Exception):
             graph.reset()
+
+    def allocate_into(self, pool: Any) -> contextlib.AbstractContextManager[None]:
+        """Context in which eager allocations on the current stream come from the graph ``pool``.
+
+        Break ops run eagerly between graph segments at capture; their outputs allocated in the pool can
+        be reused by later segments and sizes once dead, instead of pinning memory of their own per size.
+        Platforms without pools: a no-op.
+        """
+        return contextlib.nullcontext()
+
+    def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor over ``tensor``'s memory that does not keep that memory alive.
+
+        A replay plan holds break-op arguments and outputs through these, so the pool may reuse their
+        memory once the capture no longer needs them (only one key replays at a time, in capture order).
+        Platforms that cannot alias without owning return ``tensor`` itself.
+        """
+        return tensor
 
     def record_opaque(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` inside the current capture so that replay runs it again.
@@ -139,13 +193,3 @@ class GraphPlatform(ABC):
     def describe(self) -> str:
         """A one-line description for ``devgraph info`` (device name, runtime version)."""
         return self.name
-
-
-def platform_name_for_device(device: torch.device) -> str:
-    """The built-in platform name for a torch device: ``cuda`` | ``rocm`` | ``npu`` | ``cpu`` | its type.
-
-    ROCm builds of torch expose AMD GPUs as device type ``cuda``; ``torch.version.hip`` tells them apart.
-    """
-    if device.type == "cuda":
-        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    return device.type

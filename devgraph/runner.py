@@ -1,121 +1,61 @@
-"""``GraphRunner``: capture a phase's forward at start-up, replay it on every step."""
+"""``GraphRunner``: capture a phase's forward at start-up (or on first sight), replay it on every step.
+
+The runner assembles the pieces: :mod:`~devgraph.staging` validates and pads inputs, the
+:mod:`~devgraph.dispatch` dispatcher decides graph or eager and which key, the backend captures and replays,
+:mod:`~devgraph.outputs` hands the same structure back on every path, :mod:`~devgraph.stats` counts.
+"""
 
 from __future__ import annotations
 
-import gc
 import logging
-import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from devgraph._trees import clone_tree, max_abs, max_abs_diff
 from devgraph.backend import Batch, DeviceGraphBackend
-from devgraph.config import DeviceGraphConfig, ResolvedPhase
+from devgraph.capture import CaptureJob, CaptureReport, KeyReport, capture_keys, frozen_gc, show_progress
+from devgraph.config import COMPILING_BACKENDS, DeviceGraphConfig
 from devgraph.context import forward_context
-from devgraph.errors import CaptureError, ConfigError, InputError
-from devgraph.factory import create_backend, resolve_platform
-from devgraph.phases import check_phase
-from devgraph.sizes import SizeSchedule, resolve_sizes
+from devgraph.dispatch import Decision, Dispatcher
+from devgraph.errors import ConfigError, InputError
+from devgraph.factory import create_backend, resolve_phase, resolve_platform
+from devgraph.inputs import StaticInput
+from devgraph.inspection import describe_runner
+from devgraph.keys import REQUESTS, GraphKey
+from devgraph.lazy import LazyPolicy, LruKeys
+from devgraph.modes import shorten
+from devgraph.outputs import OutputLayout, check_output_axes, copy_into_out, copy_tree
+from devgraph.phases import Phase
+from devgraph.ranks import CaptureSync, check_lockstep, rank_of, release_backend, track_runner
+from devgraph.runner_setup import check_inputs, probe_layout, runner_device, schedule_for, warmup_count
+from devgraph.schedule import AxisSizes
+from devgraph.staging import StaticBuffers, Step, StepValidator
+from devgraph.state import as_state
+from devgraph.stats import RunnerStats
+from devgraph.verify import VerifyResult, compare
 
-__all__ = ["StaticInput", "SizeReport", "CaptureReport", "VerifyResult", "GraphRunner"]
+__all__ = ["GraphRunner"]
 
 logger = logging.getLogger("devgraph.runner")
 
-
-@dataclass(frozen=True)
-class StaticInput:
-    """A per-step input the runner keeps in a static buffer of ``(max_size, *shape)``.
-
-    ``fill`` is written into padding rows (choose a value that is harmless: token 0, a scratch KV slot).
-    ``host=True`` keeps the buffer in host memory, for values break ops or host-side graph updates read.
-    """
-
-    dtype: torch.dtype
-    shape: tuple[int, ...] = ()
-    fill: int | float = 0
-    host: bool = False
-
-
-@dataclass(frozen=True)
-class SizeReport:
-    size: int
-    seconds: float
-    bytes: int
-
-
-@dataclass
-class CaptureReport:
-    """What ``capture()`` did: per size, seconds spent and device bytes the graph pool grew by."""
-
-    phase: str
-    backend: str
-    platform: str
-    sizes: list[SizeReport] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def bytes(self) -> int:
-        return sum(s.bytes for s in self.sizes)
-
-    def table(self) -> str:
-        lines = [
-            f"{self.phase}: {self.backend} on {self.platform}, "
-            f"{len(self.sizes)} sizes in {self.seconds:.2f}s, "
-            f"{self.bytes / 2**20:.1f} MiB"
-        ]
-        lines += [
-            f"  size {s.size:>6}  {s.seconds * 1e3:9.1f} ms  {s.bytes / 2**20:9.2f} MiB" for s in self.sizes
-        ]
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """Graph output vs eager output for one step.
-
-    ``max_abs_diff``: against eager run on the runner's own padded static buffers: same kernels, same
-    shapes, so it is 0 unless the graph baked in state that eager reads afresh (an input the forward
-    reads outside the runner, or host state such as a forward-context value under ``full``).
-    ``max_abs_diff_unpadded``: against eager on the caller's ``n`` rows. This also catches staging bugs
-    (an input not copied, padding leaking into real rows); kernels picked for a different row count may
-    round differently. ``ok`` holds when both are within ``rtol * scale`` (``scale`` = max |eager|).
-    """
-
-    n: int
-    size: int | None
-    replayed: bool
-    max_abs_diff: float
-    max_abs_diff_unpadded: float
-    scale: float
-    rtol: float
-
-    @property
-    def ok(self) -> bool:
-        bound = self.rtol * max(self.scale, 1e-30)
-        return self.max_abs_diff <= bound and self.max_abs_diff_unpadded <= bound
-
-
-def _default_rtol(outputs: Any) -> float:
-    low_precision = any(
-        isinstance(t, torch.Tensor) and t.element_size() <= 2 and t.is_floating_point()
-        for t in pytree.tree_leaves(outputs)
-    )
-    return 2e-2 if low_precision else 1e-4
+#: Keywords of run() and verify(): an input may not use these names.
+RESERVED_NAMES = frozenset({"n", "context", "counts", "variant", "copy", "out", "rtol", "self"})
 
 
 class GraphRunner:
-    """Captures ``forward`` for a phase at a list of sizes and replays it, padding steps up to a size.
+    """Captures ``forward`` for a phase at a set of keys and replays it, padding each step up to a key.
 
-    ``forward(**inputs)`` takes one tensor per declared :class:`StaticInput` whose first dimension is the
-    step's size (batch size for decode, token count for prefill) and returns a tensor or a
-    tuple/list/dict of tensors; model state (weights, KV cache) is reached through the closure.
-    Choose the backend with ``mode`` (a strategy name) or ``config`` (a parsed ``--device-graph-mode``).
+    ``forward(**inputs, **variant)`` takes one tensor per declared :class:`StaticInput` (rows follow the
+    input's axis: the step's token count, or its request count, ...) and returns any pytree of tensors;
+    model state (weights, KV cache) is reached through the closure. Choose the backend with ``mode`` (a
+    strategy name) or ``config`` (a parsed ``--device-graph-mode``). See docs/user-guide.md.
+
+    Thread safety: ``run``, ``verify``, ``capture`` and ``close`` hold one lock, so steps from several
+    threads never interleave. What ``run`` returns is valid until the next ``run`` from any thread: threads
+    sharing a runner pass ``copy=True`` (or ``out=``).
     """
 
     def __init__(
@@ -131,292 +71,356 @@ class GraphRunner:
         config: DeviceGraphConfig | str | None = None,
         compiler: str | None = None,
         features: Mapping[str, Any] | None = None,
-        warmup_iters: int = 2,
-        capture_context: Callable[[int], Any] | None = None,
+        warmup_iters: int | None = None,
+        capture_context: Callable[[GraphKey], Any] | None = None,
         process_group: Any = None,
         progress: bool | None = None,
         backend: DeviceGraphBackend | None = None,
+        axes: Mapping[str, AxisSizes] | None = None,
+        tokens_per_request: int | None = None,
+        variants: Mapping[str, Sequence[Hashable]] | None = None,
+        state: Any = None,
+        output_axes: Sequence[str | None] | Mapping[str, str | None] | None = None,
+        lazy: bool | None = None,
+        max_graphs: int | None = None,
+        max_graph_bytes: int | None = None,
+        capture_hook: Callable[[], Any] | None = None,
+        check_lockstep: bool = False,
     ) -> None:
+        if not callable(forward):
+            raise ConfigError(f"GraphRunner forward must be callable, got {shorten(forward)}")
         self.forward = forward
-        self.phase = check_phase(phase)
-        if not inputs:
-            raise ConfigError("GraphRunner needs at least one StaticInput (the step's size is read from it)")
+        self.phase: str = Phase.parse(phase).value
+        self.input_specs: dict[str, StaticInput] = check_inputs(self.phase, inputs, RESERVED_NAMES)
         if mode is not None and config is not None:
             raise ConfigError(
                 "pass either mode= (one strategy name) or config= (a --device-graph-mode value)"
             )
-        self.input_specs = dict(inputs)
-        self.warmup_iters = warmup_iters
+        if backend is not None and not isinstance(backend, DeviceGraphBackend):
+            raise ConfigError(f"backend= must be a DeviceGraphBackend instance, got {shorten(backend)}")
         self.capture_context = capture_context
         self.process_group = process_group
         self.progress = progress
-        self._closed = False
-        self._captured = False
-        self.report: CaptureReport | None = None
+        self.capture_hook = capture_hook
+        # Ranks of a tensor-parallel group must replay the same key each step (one small all-gather; tests).
+        self.check_lockstep = check_lockstep
 
         platform = backend.platform if backend is not None else resolve_platform(device)
-        if isinstance(config, str):
-            config = DeviceGraphConfig.parse(config)
-        config = config or DeviceGraphConfig.parse(mode or "auto")
-        self.resolved: ResolvedPhase = config.resolve(self.phase, platform.name, features)
+        if not isinstance(config, DeviceGraphConfig):
+            config = DeviceGraphConfig.parse(config if config is not None else (mode or "auto"))
+        self.config = config
+        self.resolved = resolve_phase(config, self.phase, platform.name, features)
         phase_config = self.resolved.config
-        options = {"compiler": phase_config.compiler or compiler}
-        self.backend = backend or create_backend(
-            device or platform.default_device(), self.phase, self.resolved.backend, options=options
+        if backend is None:
+            options = self.resolved.backend_options()
+            if (
+                compiler is not None
+                and "compiler" not in options
+                and self.resolved.backend in COMPILING_BACKENDS
+            ):
+                options["compiler"] = compiler
+            backend = create_backend(
+                device or platform.default_device(), self.phase, self.resolved.backend, options=options
+            )
+        self.backend: DeviceGraphBackend = backend
+        self.platform = backend.platform
+        self.device = runner_device(device, self.platform)
+
+        self.schedule = schedule_for(self, phase_config, sizes, max_size, axes, tokens_per_request, variants)
+        self.tokens_per_request = self.schedule.tokens_per_request
+        self._dispatcher = Dispatcher(self.schedule)
+        self._validator = StepValidator(
+            self.phase, self.input_specs, self.device, self.tokens_per_request, self.schedule.variants
         )
-        self.platform = self.backend.platform
-        self.device = torch.device(device) if device is not None else self.platform.default_device()
-
-        free = self._free_bytes()
-        self.schedule: SizeSchedule = resolve_sizes(
-            self.phase,
-            phase_config.sizes or sizes,
-            phase_config.max_size or max_size,
-            free,
+        self._buffers = StaticBuffers(self.input_specs, self.schedule.max_rows(), self.device)
+        # Decode's request count is its token count: an output following either is cut the same way.
+        linked = frozenset({REQUESTS}) if self.tokens_per_request == 1 else frozenset()
+        self._layout = OutputLayout(check_output_axes(output_axes), same_as_tokens=linked)
+        self._state = as_state(state)
+        self.warmup_iters = warmup_count(phase_config.warmup_iters, warmup_iters, self.platform)
+        self.lazy = bool(phase_config.lazy if phase_config.lazy is not None else lazy)
+        self._lru = LruKeys(
+            LazyPolicy(
+                phase_config.max_graphs if phase_config.max_graphs is not None else max_graphs,
+                phase_config.max_graph_bytes if phase_config.max_graph_bytes is not None else max_graph_bytes,
+            )
         )
-        self._buffers = self._allocate_buffers()
-        self._graph_forward = self.backend.wrap_forward(forward)
-        self._check_can_run = type(self.backend).can_run is not DeviceGraphBackend.can_run
+        self._stats = RunnerStats()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._captured = False
+        self._key_reports: dict[GraphKey, KeyReport] = {}
+        self.report: CaptureReport | None = None
+        self._check_can_run = type(backend).can_run is not DeviceGraphBackend.can_run
+        backend.bind(self)  # first: a backend another runner owns is refused before anything is compiled
+        if backend.captured_keys():
+            # Graphs of an earlier owner that was dropped without close(): they read its buffers, not ours.
+            logger.info("devgraph: releasing graphs a previous runner left in its %s backend", backend.name)
+            backend.cleanup()
+        self._graph_forward = backend.wrap_forward(forward)
+        track_runner(self, process_group)  # devgraph.ranks.destroy_process_group() closes it first
 
-    # -- set-up ----------------------------------------------------------------------------------
-    def _free_bytes(self) -> int | None:
-        try:
-            return self.platform.mem_get_info()[0]
-        except Exception:
-            return None
-
-    def _allocate_buffers(self) -> dict[str, torch.Tensor]:
-        top = self.schedule.max
-        buffers = {}
-        for name, spec in self.input_specs.items():
-            device = torch.device("cpu") if spec.host else self.device
-            buffers[name] = torch.full((top, *spec.shape), spec.fill, dtype=spec.dtype, device=device)
-        return buffers
-
+    # -- properties ---------------------------------------------------------------------------------
     @property
     def sizes(self) -> tuple[int, ...]:
-        return self.schedule.sizes
+        """The token sizes this runner captures."""
+        return self.schedule.token_sizes
 
     @property
     def static_inputs(self) -> Mapping[str, torch.Tensor]:
-        """The full static buffers (``max_size`` rows each)."""
-        return self._buffers
+        """The full static buffers (as many rows as the largest key's axis)."""
+        return self._buffers.buffers
 
-    def _views(self, size: int) -> dict[str, torch.Tensor]:
-        return {name: _leading_rows(buf, size) for name, buf in self._buffers.items()}
+    @property
+    def keys(self) -> list[GraphKey]:
+        """The keys holding a graph now."""
+        return sorted(self.backend.captured_keys(), key=GraphKey.sort_key)
 
-    # -- capture ---------------------------------------------------------------------------------
+    def bucket(self, n: int) -> int | None:
+        """The token size a step of ``n`` tokens pads up to (``None``: it runs eagerly)."""
+        counts = {"tokens": n, **{a: 1 for a in self.schedule.axis_names}}
+        variant = {name: values[0] for name, values in self.schedule.variants.items()}
+        key = self._dispatcher.route(counts, variant).key
+        return key.tokens if key is not None else None
+
+    # -- capture ------------------------------------------------------------------------------------
     def capture(self) -> CaptureReport:
-        """Capture every size, largest first, into one pool on one stream; returns the report.
+        """Capture every key, largest first, into one pool on one stream; returns the report.
 
-        Warm-up runs ``warmup_iters`` times on the capture stream before each capture; ranks of
-        ``process_group`` synchronize and barrier between the last warm-up and the capture.
-        On failure raises :class:`CaptureError` naming the size, after releasing what was captured.
+        Each key: ``warmup_iters`` eager runs on the capture stream, a barrier across ``process_group``,
+        then the capture (on a device, capture records kernels without running them; the CPU simulator
+        undoes the capture's writes to older tensors the same way; break ops under ``breakable`` and
+        ``tc_piecewise`` run eagerly at capture, as at every replay). When the captured keys cannot tell
+        which outputs are row-major (one token size, or two axes of equal size at every key) the forward
+        runs once more, eagerly, at other sizes (``output_axes=`` skips it). Declared ``state`` is
+        restored afterwards; undeclared state moves once per eager run. A lazily capturing runner
+        captures nothing here. On failure raises :class:`CaptureError` naming the key and what to do,
+        after releasing every graph.
         """
-        self._check_open()
-        report = CaptureReport(self.phase, self.backend.name, self.platform.name)
-        if self._captured:
-            return self.report or report
-        if not self.backend.uses_graphs:
+        with self._lock:
+            self._check_open()
+            if self._captured:
+                return self.report or self._empty_report()
+            report = self._empty_report()
+            if self.backend.uses_graphs:
+                self.backend.prepare(self.input_specs, () if self.lazy else self.schedule.keys())
+                if not self.lazy:
+                    start = time.perf_counter()
+                    report.keys = self._capture(self.schedule.keys(), collect=True)
+                    report.seconds = time.perf_counter() - start
+                    logger.info("%s", report.table())
             self._captured = True
             self.report = report
             return report
-        self.backend.prepare(self)
-        stream = self.platform.new_stream()
-        start = time.perf_counter()
-        gc.collect()
-        gc.freeze()  # objects alive now are never collected mid-capture, which keeps capture fast
-        try:
-            with self.backend.capture_session(stream):
-                for size in self._progress(sorted(self.schedule.sizes, reverse=True)):
-                    report.sizes.append(self._capture_size(size))
-        except BaseException:
-            self.backend.cleanup()
-            raise
-        finally:
-            gc.unfreeze()
-        report.sizes.sort(key=lambda s: s.size)
-        report.seconds = time.perf_counter() - start
-        self._captured = True
-        self.report = report
-        logger.info("%s", report.table())
-        return report
 
-    def _progress(self, sizes: list[int]) -> Any:
-        show = self.progress if self.progress is not None else (self._rank() == 0 and sys.stderr.isatty())
-        if not show:
-            return sizes
-        from tqdm import tqdm
+    def _empty_report(self) -> CaptureReport:
+        return CaptureReport(self.phase, self.backend.name, self.platform.name)
 
-        return tqdm(sizes, desc=f"capturing {self.phase} ({self.backend.name})", unit="size", leave=False)
-
-    def _rank(self) -> int:
-        if self.process_group is None or not torch.distributed.is_initialized():
-            return 0
-        return torch.distributed.get_rank(self.process_group)
-
-    def _barrier(self) -> None:
-        self.platform.synchronize()
-        if self.process_group is not None and torch.distributed.is_initialized():
-            torch.distributed.barrier(group=self.process_group)
-
-    def _capture_size(self, size: int) -> SizeReport:
-        forward = partial(self._graph_forward, **self._views(size))
-        context = self.capture_context(size) if self.capture_context else None
-        try:
-            with forward_context(context):
-                for _ in range(self.warmup_iters):
-                    forward()
-                self._barrier()
-                before = self.platform.reserved_bytes()
-                t0 = time.perf_counter()
-                self.backend.capture_one(size, forward)
-                self.platform.synchronize()
-                seconds = time.perf_counter() - t0
-        except Exception as exc:
-            raise self._capture_failure(exc, size) from exc
-        return SizeReport(size, seconds, max(0, self.platform.reserved_bytes() - before))
-
-    def _capture_failure(self, exc: Exception, size: int) -> CaptureError:
-        translated = self.platform.translate_capture_error(exc, size)
-        if translated is not None:
-            detail = str(translated)
-        elif isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
-            detail = (
-                f"out of device memory ({exc}). Lower max_size (now {self.schedule.max}) or capture fewer "
-                "sizes, leave more memory free (a smaller KV cache), or disable graphs for this phase "
-                f"with --device-graph-mode '{self.phase}=disabled'"
-            )
-        else:
-            detail = (
-                f"{type(exc).__name__}: {exc}. Lower the sizes, switch this phase to another mode "
-                f"(--device-graph-mode '{self.phase}=breakable' or '{self.phase}=disabled'), or move the "
-                "failing op into a @devgraph.graph_break op"
-            )
-        op = getattr(exc, "op", None)
-        return CaptureError(
-            f"capturing the {self.phase} graph for size {size} with backend {self.backend.name} on "
-            f"{self.platform.name} failed: {detail}. Graphs captured so far were released.",
-            size=size,
-            op=op,
+    def _capture(self, keys: Sequence[GraphKey], *, collect: bool) -> list[KeyReport]:
+        # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
+        sync = CaptureSync(self.platform, self.process_group, self.phase, keys)
+        job = CaptureJob(
+            phase=self.phase,
+            backend=self.backend,
+            platform=self.platform,
+            forward=self._graph_forward,
+            inputs_for=lambda key: {**self._buffers.views(key), **key.variant_dict},
+            warmup_iters=self.warmup_iters,
+            max_size=self.schedule.max_tokens,
+            capture_context=self.capture_context,
+            barrier=sync.barrier,
+            on_captured=self._layout.observe,
+            finish=self._learn_layout,
+            hook=self.capture_hook,
+            agree=sync.agree,
+            progress=show_progress(self.progress, rank_of(self.process_group)) and not self.lazy,
+            shared_pool=not self.lazy,
         )
+        with self._state.preserved(), frozen_gc(collect):
+            self._buffers.reset()
+            try:
+                reports = capture_keys(job, keys)
+            except BaseException:
+                if self.lazy:
+                    for key in keys:
+                        self._layout.forget(key)
+                else:
+                    self.backend.cleanup()
+                raise
+        reports.sort(key=lambda r: r.key.sort_key())
+        self._key_reports.update((r.key, r) for r in reports)
+        return reports
 
-    # -- run -------------------------------------------------------------------------------------
-    def bucket(self, n: int) -> int | None:
-        """The captured size a step of ``n`` rows pads up to (``None``: it runs eagerly)."""
-        return self.schedule.bucket(n)
+    def _learn_layout(self, key: GraphKey) -> None:
+        if self._layout.axes is None:
+            probe_layout(self, key)
+            self._layout.finish()
 
-    def run(self, n: int | None = None, context: Any = None, **inputs: torch.Tensor) -> Any:
-        """Run one step of ``n`` rows (default: the first input's length).
+    # -- run ----------------------------------------------------------------------------------------
+    def run(
+        self,
+        n: int | None = None,
+        context: Any = None,
+        *,
+        counts: Mapping[str, int] | None = None,
+        variant: Mapping[str, Hashable] | None = None,
+        copy: bool = False,
+        out: Any = None,
+        **inputs: torch.Tensor,
+    ) -> Any:
+        """Run one step of ``n`` tokens (default: the rows of the first tokens-axis input).
 
-        Replays the graph of the smallest captured size >= ``n`` (padding rows get each input's fill)
-        and returns outputs sliced to ``n`` rows. The returned tensors are views of static graph
-        outputs: they are overwritten by the next ``run`` — copy what you keep. Runs ``forward``
-        eagerly when ``n`` is past the largest size, before ``capture()``, or when ``can_run`` says no.
+        Replays the graph of the smallest key that holds the step (each axis padded with its inputs'
+        fills) and returns outputs with row-major leaves cut to the real counts, else runs ``forward``
+        eagerly (before ``capture()``, past the largest key, a variant not captured, ``can_run`` said no,
+        or a mode without graphs) and counts why. Every path validates inputs the same way and never lets
+        the forward's in-place changes to inputs reach the caller. Returned tensors are valid until the
+        next ``run()`` of any thread; ``copy=True`` returns owned tensors, ``out=`` copies into the
+        caller's tensors (checked against the step's outputs once the step ran).
         """
-        if n is None:
-            n = next(iter(inputs.values())).shape[0] if inputs else 0
-        size = self.schedule.bucket(n) if self._captured else None
+        if copy and out is not None:
+            raise InputError("run() takes copy=True or out=, not both: out= already gives owned tensors")
+        with self._lock:
+            self._check_open()
+            step, chosen = self._validator.validate(n, counts, variant, inputs)
+            result = self._step(step, chosen, context, inputs, count=True)
+            if out is not None:
+                return copy_into_out(result, out)
+            return copy_tree(result) if copy else result
+
+    def _decide(self, step: Step, variant: Mapping[str, Any], context: Any) -> Decision:
         backend = self.backend
-        if (
-            size is None
-            or not backend.has_shape(size)
-            or (self._check_can_run and not backend.can_run(Batch(n, size, context)))
+        return self._dispatcher.decide(
+            step.counts,
+            variant,
+            uses_graphs=backend.uses_graphs,
+            captured=self._captured,
+            has_shape=backend.has_shape,
+            lazy=self.lazy,
+            can_run=(lambda key: backend.can_run(Batch(step.n, key, step.counts, context)))
+            if self._check_can_run
+            else None,
+        )
+
+    def _step(
+        self,
+        step: Step,
+        variant: dict[str, Any],
+        context: Any,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        count: bool,
+    ) -> Any:
+        decision = self._decide(step, variant, context)
+        key = decision.key
+        if self.check_lockstep:
+            check_lockstep(self.process_group, key)
+        if key is None:
+            if count:
+                self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
+            return self._eager(context, variant, inputs)
+        if self.lazy:
+            self._lazy_lookup(key)
+        self._buffers.stage(step.counts, key, inputs)
+        with forward_context(context), self.backend.runtime_session():
+            raw = self.backend.replay(key, self._buffers.buffers)
+        if count:
+            self._stats.replayed(key, step.n)
+        return self._layout.slice(raw, step.counts, key)
+
+    def _eager(self, context: Any, variant: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> Any:
+        # The forward gets its own copies, as on the graph path: its in-place changes never reach the caller.
+        owned = {name: value.clone() for name, value in inputs.items()}
+        with forward_context(context), torch.no_grad():
+            return self._graph_forward(**owned, **variant)
+
+    def _lazy_lookup(self, key: GraphKey) -> None:
+        if self._lru.ensure(
+            key, has_graph=self.backend.has_shape, capture=self._capture_lazily, evict=self._evict
         ):
-            return self._run_eager(context, inputs)
-        self._stage(n, size, inputs)
-        with forward_context(context), backend.runtime_session():
-            outputs = backend.replay(size, self._buffers)
-        return outputs if n == size else _slice_rows(outputs, n, size)
+            self._stats.lazy_hits += 1
 
-    def _run_eager(self, context: Any, inputs: Mapping[str, torch.Tensor]) -> Any:
-        self._check_open()
-        self._check_names(inputs)
-        with forward_context(context):
-            return self._graph_forward(**inputs)
+    def _capture_lazily(self, key: GraphKey) -> int:
+        start = time.perf_counter()
+        (report,) = self._capture([key], collect=False)
+        self._stats.lazy_misses += 1
+        self._stats.lazy_capture_seconds += time.perf_counter() - start
+        return report.bytes
 
-    def _check_names(self, inputs: Mapping[str, torch.Tensor]) -> None:
-        if inputs.keys() != self.input_specs.keys():
-            missing = sorted(self.input_specs.keys() - inputs.keys())
-            extra = sorted(inputs.keys() - self.input_specs.keys())
-            raise InputError(
-                f"{self.phase} runner inputs do not match its StaticInputs: missing {missing}, "
-                f"unexpected {extra}; pass exactly {sorted(self.input_specs)}"
-            )
+    def _evict(self, key: GraphKey) -> None:
+        self.backend.release(key)
+        self._lru.remove(key)
+        self._key_reports.pop(key, None)
+        self._stats.lazy_evictions += 1
 
-    def _stage(self, n: int, size: int, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Validate every input, then copy them into the static buffers and fill padding rows."""
-        self._check_names(inputs)
-        buffers = self._buffers
-        for name, value in inputs.items():
-            buf = buffers[name]
-            if (
-                not isinstance(value, torch.Tensor)
-                or value.dtype != buf.dtype
-                or value.device != buf.device
-                or value.shape[0] != n
-                or value.shape[1:] != buf.shape[1:]
-            ):
-                raise self._input_error(name, value, n)
-        for name, value in inputs.items():
-            buf = buffers[name]
-            buf[:n].copy_(value)
-            if n < size:
-                buf[n:size].fill_(self.input_specs[name].fill)
-
-    def _input_error(self, name: str, value: Any, n: int) -> InputError:
-        buf = self._buffers[name]
-        expected = f"{buf.dtype} on {buf.device} with shape ({n}, {', '.join(map(str, buf.shape[1:]))})"
-        got = (
-            f"{value.dtype} on {value.device} with shape {tuple(value.shape)}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
-        return InputError(
-            f"{self.phase} input {name!r}: expected {expected} (static buffer {tuple(buf.shape)}), "
-            f"got {got}; nothing was written"
-        )
-
-    # -- checks ----------------------------------------------------------------------------------
+    # -- checks -------------------------------------------------------------------------------------
     def verify(
-        self, n: int | None = None, context: Any = None, *, rtol: float | None = None, **inputs: torch.Tensor
+        self,
+        n: int | None = None,
+        context: Any = None,
+        *,
+        rtol: float | None = None,
+        counts: Mapping[str, int] | None = None,
+        variant: Mapping[str, Hashable] | None = None,
+        **inputs: torch.Tensor,
     ) -> VerifyResult:
-        """Run the step through the graph and eagerly on the same inputs; report the largest differences.
+        """Run one step through the graph and eagerly on the same inputs; report the largest differences.
 
-        ``rtol`` bounds the unpadded difference relative to max |eager| (default 1e-4, or 2e-2 for
-        16-bit outputs). Model state the forward mutates (a KV cache) is written twice with the same
-        values, so checking a step does not change what later steps compute.
+        The forward runs three times when the step replays a graph (the replay, eager on the caller's
+        rows, eager on the padded static buffers) and twice when it runs eagerly (the eager step, eager on
+        the caller's rows); declared ``state`` is restored before each and after the last, so ``verify``
+        changes no declared state. Undeclared state moves once per run. ``rtol`` bounds both differences
+        relative to max |eager| (default 1e-4, 2e-2 for 16-bit outputs). Not counted in :meth:`stats`
+        steps.
         """
-        if n is None:
-            n = next(iter(inputs.values())).shape[0]
-        size = self.bucket(n) if self._captured else None
-        graph_out = clone_tree(self.run(n, context, **inputs))
-        unpadded = clone_tree(self._run_eager(context, inputs))
-        replayed = size is not None and self.backend.has_shape(size)
-        if replayed:
-            with forward_context(context):
-                padded = _slice_rows(self._graph_forward(**self._views(size)), n, size)
-        else:
-            padded = unpadded
-        return VerifyResult(
-            n,
-            size,
-            replayed,
-            max_abs_diff(graph_out, padded),
-            max_abs_diff(graph_out, unpadded),
-            max_abs(unpadded),
-            rtol if rtol is not None else _default_rtol(unpadded),
-        )
+        with self._lock:
+            self._check_open()
+            step, chosen = self._validator.validate(n, counts, variant, inputs)
+            self._stats.verify_calls += 1
+            key = self._decide(step, chosen, context).key
+            with self._state.preserved() as restore:
+                graph = copy_tree(self._step(step, chosen, context, inputs, count=False))
+                restore()
+                unpadded = copy_tree(self._eager(context, chosen, inputs))
+                padded = unpadded
+                if key is not None:
+                    restore()
+                    self._buffers.stage(step.counts, key, inputs)
+                    with forward_context(context), torch.no_grad():
+                        raw = self._graph_forward(**self._buffers.views(key), **chosen)
+                    padded = copy_tree(self._layout.slice(raw, step.counts, key))
+            return compare(step.n, key, graph, padded, unpadded, rtol)
 
-    # -- teardown --------------------------------------------------------------------------------
+    # -- inspection ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Run-time counters as plain data: replays per key, eager steps by reason, padding waste."""
+        with self._lock:
+            return {"phase": self.phase, "backend": self.backend.name, **self._stats.as_dict()}
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats.reset()
+
+    def inspect(self) -> dict[str, Any]:
+        """What was set up and captured, as plain data (no private attributes needed)."""
+        with self._lock:
+            return describe_runner(self, self._key_reports, self._layout, self._state)
+
+    # -- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:
         """Release graphs, their pool and the static buffers. Call before destroying the process group."""
-        if self._closed:
-            return
-        self.backend.cleanup()
-        self._buffers = {}
-        self._captured = False
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                release_backend(self.backend, self.process_group, self.platform)
+            finally:
+                self.backend.unbind(self)
+                self._buffers.clear()
+                self._lru.clear()
+                self._key_reports.clear()
+                self._captured = False
+                self._closed = True
 
     def _check_open(self) -> None:
         if self._closed:
@@ -431,28 +435,6 @@ class GraphRunner:
     def __repr__(self) -> str:
         return (
             f"GraphRunner(phase={self.phase!r}, backend={self.backend.name!r}, "
-            f"platform={self.platform.name!r}, "
-            f"sizes={list(self.schedule.sizes)}, captured={self._captured})"
+            f"platform={self.platform.name!r}, sizes={list(self.schedule.token_sizes)}, "
+            f"captured={self._captured})"
         )
-
-
-def _leading_rows(buf: torch.Tensor, size: int) -> torch.Tensor:
-    """The first ``size`` rows of ``buf`` as a tensor sharing its storage but with no ``_base``.
-
-    A plain slice is a view, and torch.compile guards on a view's base: every captured size (and the
-    eager fallback with the caller's own tensors) would then recompile. An alias made with ``set_``
-    looks like any other tensor to dynamo while still reading and writing the static buffer.
-    """
-    alias = torch.empty(0, dtype=buf.dtype, device=buf.device)
-    alias.set_(buf.untyped_storage(), buf.storage_offset(), (size, *buf.shape[1:]), buf.stride())
-    return alias
-
-
-def _slice_rows(outputs: Any, n: int, size: int) -> Any:
-    if isinstance(outputs, torch.Tensor):
-        return outputs[:n] if outputs.dim() and outputs.shape[0] == size else outputs
-    if isinstance(outputs, (tuple, list)):
-        return type(outputs)(_slice_rows(o, n, size) for o in outputs)
-    if isinstance(outputs, dict):
-        return {k: _slice_rows(v, n, size) for k, v in outputs.items()}
-    return outputs

@@ -25,10 +25,30 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 _CAPTURE_POOLS: dict[int, Any] = {}
 
 
+@contextlib.contextmanager
+def _allocate_into(pool: Any) -> Iterator[None]:
+    """Route this thread's (or stream's, on older torch) allocations into the graph pool ``pool``.
+
+    The same private calls ``torch._inductor.cudagraph_trees`` uses: begin takes a reference on the pool,
+    release gives it back, so the pool outlives this block only through the graphs captured into it.
+    """
+    device = torch.cuda.current_device()
+    begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+    if begin is None:  # torch releases before the per-thread variant
+        begin = torch._C._cuda_beginAllocateCurrentStreamToPool
+    begin(device, pool)
+    try:
+        yield
+    finally:
+        torch._C._cuda_endAllocateToPool(device, pool)
+        torch._C._cuda_releasePool(device, pool)
+
+
 class TorchCudaGraphPlatform(GraphPlatform):
     """``torch.cuda.CUDAGraph`` capture into a shared pool on a side stream."""
 
     device_type = "cuda"
+    detects_host_sync = True
 
     def default_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
@@ -71,6 +91,20 @@ class TorchCudaGraphPlatform(GraphPlatform):
         # A failed capture can leave the stream in an error state; make the next work start clean.
         with contextlib.suppress(Exception):
             torch.cuda.synchronize()
+
+    def allocate_into(self, pool: Any) -> contextlib.AbstractContextManager[None]:
+        return _allocate_into(pool)
+
+    def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":
+            return tensor
+        storage = tensor.untyped_storage()
+        borrowed = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), tensor.device, storage.nbytes()
+        )
+        alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        alias.set_(borrowed, tensor.storage_offset(), tensor.shape, tensor.stride())
+        return alias
 
     def translate_capture_error(self, error: BaseException, size: int | None) -> CaptureError | None:
         text = str(error)

@@ -1,46 +1,30 @@
-"""GraphRunner on the CPU simulated graph: capture, padding, copies, fallback, errors, teardown."""
+"""GraphRunner on the CPU simulated graph: replay against eager, padding, verify, fallbacks, ownership of
+its backend, configuration and teardown."""
 
 from __future__ import annotations
-
-import gc
 
 import pytest
 import torch
 
-from devgraph import (
-    CaptureError,
-    ConfigError,
-    GraphRunner,
-    InputError,
-    StaticInput,
-    is_capturing,
-)
-from devgraph.strategies import FullGraphBackend
+from devgraph import ConfigError, GraphRunner, StaticInput, resolve_platform
+from devgraph.strategies import BreakableBackend, FullGraphBackend
 
 SIZES = [1, 2, 4, 8]
+INPUTS = {"x": StaticInput(torch.float32, (4,), fill=0.0), "idx": StaticInput(torch.int64, fill=9)}
 
 
 class Affine:
-    """forward(x, idx) = x @ w + b[idx]; records what it saw so tests can inspect capture."""
+    """forward(x, idx) = x @ w + b[idx]; counts its eager calls."""
 
     def __init__(self) -> None:
         gen = torch.Generator().manual_seed(0)
         self.w = torch.randn(4, 3, generator=gen)
         self.b = torch.randn(10, 3, generator=gen)
-        self.captured_sizes: list[int] = []
-        self.gc_frozen_during_capture: list[bool] = []
-        self.eager_calls = 0
+        self.calls = 0
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if is_capturing():
-            self.captured_sizes.append(x.shape[0])
-            self.gc_frozen_during_capture.append(gc.get_freeze_count() > 0)
-        else:
-            self.eager_calls += 1
+        self.calls += 1
         return x @ self.w + self.b[idx]
-
-
-INPUTS = {"x": StaticInput(torch.float32, (4,), fill=0.0), "idx": StaticInput(torch.int64, fill=9)}
 
 
 def make_runner(fn=None, **kwargs) -> GraphRunner:
@@ -54,187 +38,173 @@ def batch(n: int, seed: int = 1) -> dict[str, torch.Tensor]:
     return {"x": torch.randn(n, 4, generator=gen), "idx": torch.randint(0, 9, (n,), generator=gen)}
 
 
-def test_capture_largest_first_with_gc_frozen_and_report():
+@pytest.mark.parametrize("mode", ["full", "breakable", "tc_piecewise"])
+def test_run_matches_eager_at_every_size(mode):
     fn = Affine()
-    runner = make_runner(fn)
-    report = runner.capture()
-    assert fn.captured_sizes == [8, 4, 2, 1]
-    assert all(fn.gc_frozen_during_capture)
-    assert gc.get_freeze_count() == 0 or not fn.gc_frozen_during_capture  # unfrozen afterwards
-    assert [s.size for s in report.sizes] == SIZES
-    assert all(s.seconds > 0 and s.bytes > 0 for s in report.sizes)
-    assert report.backend == "full" and report.platform == "cpu"
-    assert "size      8" in report.table()
-    assert runner.capture() is report  # idempotent
-
-
-def test_warmup_runs_before_each_capture():
-    fn = Affine()
-    make_runner(fn, warmup_iters=3).capture()
-    assert fn.eager_calls == 3 * len(SIZES)
-
-
-@pytest.mark.parametrize("n", [1, 3, 5, 8])
-def test_run_matches_eager_and_pads_with_fill(n):
-    fn = Affine()
-    runner = make_runner(fn)
+    runner = make_runner(fn, mode=mode)
     runner.capture()
-    inputs = batch(n)
-    out = runner.run(n, **inputs)
-    assert out.shape == (n, 3)
-    torch.testing.assert_close(out, fn(**inputs))
-    size = runner.bucket(n)
-    assert torch.all(runner.static_inputs["idx"][n:size] == 9)
-    assert torch.all(runner.static_inputs["x"][n:size] == 0)
+    for n in (1, 3, 5, 8, 11):
+        inputs = batch(n, seed=n)
+        torch.testing.assert_close(runner.run(**inputs), fn(**inputs))
+    stats = runner.stats()
+    assert stats["replays"] == 4 and stats["eager_by_reason"]["past_largest"] == 1
 
 
-def test_outputs_keep_their_storage_across_runs():
+def test_replayed_outputs_keep_their_storage_across_runs():
     runner = make_runner()
     runner.capture()
-    first = runner.run(8, **batch(8, seed=1))
+    first = runner.run(**batch(8, seed=1))
     ptr, first_copy = first.data_ptr(), first.clone()
-    second = runner.run(8, **batch(8, seed=2))
+    second = runner.run(**batch(8, seed=2))
     assert second.data_ptr() == ptr
     assert not torch.equal(first_copy, second)
 
 
-def test_n_defaults_to_first_input_length():
-    runner = make_runner()
-    runner.capture()
-    assert runner.run(**batch(3)).shape[0] == 3
-
-
-def test_eager_fallback_past_largest_and_before_capture():
+def test_eager_fallback_before_capture_and_past_the_largest_size():
     fn = Affine()
     runner = make_runner(fn)
     inputs = batch(5)
-    torch.testing.assert_close(runner.run(5, **inputs), fn(**inputs))  # not captured yet: eager
+    torch.testing.assert_close(runner.run(**inputs), fn(**inputs))
     runner.capture()
-    calls = fn.eager_calls
+    calls = fn.calls
     big = batch(12)
-    torch.testing.assert_close(runner.run(12, **big), fn(**big))
-    assert fn.eager_calls == calls + 2  # the runner's fallback and the reference call above
-
-
-@pytest.mark.parametrize(
-    ("bad", "fragment"),
-    [
-        ({"x": torch.zeros(3, 4, dtype=torch.float64)}, "torch.float64"),
-        ({"x": torch.zeros(3, 5)}, "shape (3, 5)"),
-        ({"x": torch.zeros(2, 4)}, "shape (2, 4)"),
-        ({"x": torch.zeros(3, 4, device="meta")}, "meta"),
-        ({"x": [[0.0] * 4] * 3}, "list"),
-    ],
-)
-def test_bad_input_raises_before_anything_is_written(bad, fragment):
-    runner = make_runner()
-    runner.capture()
-    before = {k: v.clone() for k, v in runner.static_inputs.items()}
-    inputs = {"idx": torch.ones(3, dtype=torch.int64), **bad}
-    with pytest.raises(InputError) as info:
-        runner.run(3, **inputs)
-    assert fragment in str(info.value) and "nothing was written" in str(info.value)
-    for name, value in runner.static_inputs.items():
-        assert torch.equal(value, before[name])
-
-
-def test_missing_and_unexpected_inputs():
-    runner = make_runner()
-    runner.capture()
-    with pytest.raises(InputError, match=r"missing \['idx'\], unexpected \['y'\]"):
-        runner.run(2, x=torch.zeros(2, 4), y=torch.zeros(2))
-
-
-class ForgetfulRunner(GraphRunner):
-    """A broken runner that never copies ``idx`` into its static buffer."""
-
-    def _stage(self, n, size, inputs):
-        super()._stage(
-            n, size, {k: (self.static_inputs[k][:n] if k == "idx" else v) for k, v in inputs.items()}
-        )
-
-
-def test_runner_that_forgot_to_copy_an_input_is_caught():
-    runner = ForgetfulRunner(Affine(), phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES)
-    runner.capture()
-    runner.run(4, **batch(4, seed=1))
-    result = runner.verify(4, **batch(4, seed=2))
-    assert result.replayed
-    # The graph and an eager pass over the same (stale) static buffers agree; eager on the caller's
-    # inputs does not, which is what exposes the missing copy.
-    assert result.max_abs_diff == 0
-    assert result.max_abs_diff_unpadded > 0.1
-    assert not result.ok
+    torch.testing.assert_close(runner.run(**big), fn(**big))
+    assert fn.calls == calls + 2  # the runner's fallback and the reference call above
+    assert runner.stats()["eager_by_reason"]["before_capture"] == 1
 
 
 def test_verify_reports_zero_for_a_correct_runner():
     runner = make_runner()
     runner.capture()
     for n in (1, 3, 8, 20):
-        result = runner.verify(n, **batch(n))
+        result = runner.verify(**batch(n))
         assert result.max_abs_diff == 0.0 and result.ok
-        assert result.replayed == (n <= 8)
+        assert result.replayed == (n <= 8) and result.n == n
+        assert result.size == (runner.bucket(n) if n <= 8 else None)
+    assert runner.stats()["steps"] == 0  # verify is not counted as a step
 
 
-def test_capture_failure_names_size_and_releases_graphs():
-    def forward(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 2 and is_capturing():
-            x.sum().item()  # a host sync, only at size 2
-        return x * 2
+def test_verify_catches_a_staging_bug():
+    runner = make_runner()
+    runner.capture()
+    stage = runner._buffers.stage
 
-    runner = make_runner(forward)
-    reserved_before = runner.platform.reserved_bytes()
-    with pytest.raises(CaptureError) as info:
-        runner.capture()
-    assert info.value.size == 2
-    message = str(info.value)
-    assert "size 2" in message and "_local_scalar_dense" in message and "released" in message
-    assert runner.backend.captured_keys() == []
-    assert runner.platform.reserved_bytes() == reserved_before
-    assert runner.run(2, **batch(2)).shape == (2, 4)  # still usable, eagerly
+    def forgetful(counts, key, inputs):  # a broken staging that never copies idx
+        stage(counts, key, {**inputs, "idx": runner.static_inputs["idx"][: counts["tokens"]].clone()})
 
-
-def test_close_releases_graph_memory_and_context_manager():
-    baseline = None
-    with make_runner() as runner:
-        baseline = runner.platform.reserved_bytes()
-        runner.capture()
-        assert runner.platform.reserved_bytes() > baseline
-    assert runner.platform.reserved_bytes() == baseline
-    assert runner.backend.captured_keys() == []
-    with pytest.raises(ConfigError, match="closed"):
-        runner.capture()
+    runner._buffers.stage = forgetful
+    runner.run(**batch(4, seed=1))
+    result = runner.verify(**batch(4, seed=2))
+    assert result.replayed
+    # Graph and eager over the same (stale) buffers agree; eager on the caller's inputs does not.
+    assert result.max_abs_diff == 0
+    assert result.max_abs_diff_unpadded > 0.1
+    assert not result.ok
 
 
-def test_can_run_false_sends_step_to_eager():
+def test_can_run_false_sends_the_step_to_eager():
     class Picky(FullGraphBackend):
         def can_run(self, batch):
             return batch.context != "no-graph"
 
     fn = Affine()
-    from devgraph import resolve_platform
-
-    runner = make_runner(fn, backend=Picky(resolve_platform("cpu"), phase="decode"))
+    runner = make_runner(fn, mode=None, backend=Picky(resolve_platform("cpu"), phase="decode"))
     runner.capture()
-    calls = fn.eager_calls
-    runner.run(4, context="no-graph", **batch(4))
-    assert fn.eager_calls == calls + 1
-    runner.run(4, context="graph", **batch(4))
-    assert fn.eager_calls == calls + 1
+    calls = fn.calls
+    runner.run(context="no-graph", **batch(4))
+    assert fn.calls == calls + 1
+    runner.run(context="graph", **batch(4))
+    assert fn.calls == calls + 1
+    assert runner.stats()["eager_by_reason"]["backend_declined"] == 1
 
 
 def test_disabled_mode_never_captures():
     fn = Affine()
     runner = make_runner(fn, mode="disabled")
     report = runner.capture()
-    assert report.sizes == [] and fn.captured_sizes == []
+    assert report.keys == [] and runner.keys == []
     inputs = batch(3)
-    torch.testing.assert_close(runner.run(3, **inputs), fn(**inputs))
+    torch.testing.assert_close(runner.run(**inputs), fn(**inputs))
+    assert runner.stats()["eager_by_reason"]["disabled"] == 1
 
 
-def test_mode_and_config_are_exclusive():
+# -- one backend, one runner ----------------------------------------------------------------------------
+def test_a_backend_serves_one_runner_until_it_closes():
+    backend = FullGraphBackend(resolve_platform("cpu"), phase="decode")
+    first = make_runner(mode=None, backend=backend)
+    first.capture()
+    with pytest.raises(ConfigError) as info:
+        make_runner(mode=None, backend=backend)
+    message = str(info.value)
+    assert "already belongs to" in message and repr(first) in message and "close()" in message
+    # The refused runner left the first one's graphs alone.
+    assert [str(k) for k in first.keys] == ["tokens=1", "tokens=2", "tokens=4", "tokens=8"]
+    assert first.stats()["steps"] == 0
+    first.run(**batch(3))
+    assert first.stats()["replays"] == 1
+    first.close()
+    second = make_runner(mode=None, backend=backend)
+    second.capture()
+    second.run(**batch(3))
+    assert second.stats()["replays"] == 1
+
+
+def test_a_failed_capture_of_another_runner_cannot_wipe_the_owners_graphs():
+    backend = BreakableBackend(resolve_platform("cpu"), phase="decode")
+    owner = make_runner(mode=None, backend=backend)
+    owner.capture()
+    with pytest.raises(ConfigError, match="already belongs to"):
+        GraphRunner(
+            lambda x, idx: x.sum().item(), phase="decode", inputs=INPUTS, device="cpu", backend=backend
+        )
+    assert len(owner.keys) == len(SIZES)
+    owner.run(**batch(2))
+    assert owner.stats()["replays"] == 1
+
+
+def test_a_backend_of_a_collected_runner_is_free_again():
+    import gc
+
+    backend = FullGraphBackend(resolve_platform("cpu"), phase="decode")
+    make_runner(mode=None, backend=backend)  # dropped without close()
+    gc.collect()
+    make_runner(mode=None, backend=backend).capture()
+
+
+def test_graphs_left_by_a_runner_dropped_without_close_are_released():
+    import gc
+
+    backend = FullGraphBackend(resolve_platform("cpu"), phase="decode")
+    make_runner(lambda x, idx: x * 2, mode=None, backend=backend).capture()  # dropped without close()
+    gc.collect()
+    assert backend.captured_keys()  # its graphs are still there
+    runner = make_runner(lambda x, idx: x * 3, mode=None, backend=backend)
+    runner.capture()
+    inputs = batch(3)
+    torch.testing.assert_close(runner.run(**inputs), inputs["x"] * 3)
+    assert runner.stats()["replays"] == 1
+
+
+def test_a_compiling_backend_handed_on_runs_the_new_runners_forward():
+    from devgraph.strategies import TcPiecewiseBackend
+
+    backend = TcPiecewiseBackend(resolve_platform("cpu"), phase="decode")
+    with make_runner(lambda x, idx: x * 2, mode=None, backend=backend) as first:
+        first.capture()
+    second = make_runner(lambda x, idx: x * 3, mode=None, backend=backend)
+    second.capture()
+    inputs = batch(2)
+    torch.testing.assert_close(second.run(**inputs), inputs["x"] * 3)
+
+
+# -- configuration --------------------------------------------------------------------------------------
+def test_mode_and_config_are_exclusive_and_backend_must_be_a_backend():
     with pytest.raises(ConfigError, match="either mode="):
         make_runner(mode="full", config="auto")
+    with pytest.raises(ConfigError, match="backend= must be a DeviceGraphBackend"):
+        make_runner(mode=None, backend="full")
+    with pytest.raises(ConfigError, match="forward must be callable"):
+        GraphRunner(None, phase="decode", inputs=INPUTS, device="cpu")
 
 
 def test_config_string_sets_backend_and_sizes():
@@ -249,7 +219,7 @@ def test_config_string_sets_backend_and_sizes():
     assert runner.sizes == (2, 4)
 
 
-def test_host_input_lives_on_cpu_and_tuple_outputs_are_sliced():
+def test_host_input_lives_on_the_host_and_tuple_outputs_are_cut():
     def forward(x: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x + 1, x.sum(dim=0)
 
@@ -266,6 +236,21 @@ def test_host_input_lives_on_cpu_and_tuple_outputs_are_sliced():
     rows, total = runner.run(3, x=torch.ones(3, 2), lens=torch.ones(3, dtype=torch.int32))
     assert rows.shape == (3, 2) and total.shape == (2,)
     torch.testing.assert_close(total, torch.full((2,), 3.0))  # padding rows filled with 0
+
+
+# -- teardown -------------------------------------------------------------------------------------------
+def test_close_releases_graph_memory_and_works_as_a_context_manager():
+    with make_runner() as runner:
+        baseline = runner.platform.reserved_bytes()
+        runner.capture()
+        assert runner.platform.reserved_bytes() > baseline
+    assert runner.platform.reserved_bytes() == baseline
+    assert runner.backend.captured_keys() == [] and runner.static_inputs == {}
+    runner.close()  # twice is fine
+    for call in (runner.capture, lambda: runner.run(**batch(2)), lambda: runner.verify(**batch(2))):
+        with pytest.raises(ConfigError, match="closed"):
+            call()
+    assert "captured=False" in repr(runner)
 
 
 def test_barrier_between_warmup_and_capture_with_a_process_group(monkeypatch, unused_tcp_port):

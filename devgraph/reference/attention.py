@@ -1,113 +1,253 @@
-"""Paged-free KV-cache attention of the reference model, declared as a break op.
+"""Attention of the reference model over a paged KV cache, in two forms.
 
-The op is pure tensor code, so it can be captured inside a device graph (``full``), and it is a
-``graph_break`` op, so ``breakable`` and ``tc_piecewise`` run it eagerly between graph segments.
+* ``paged``: :mod:`devgraph.reference.kernels` (Triton on a GPU, the torch reference elsewhere) read the
+  block tables, lengths and ``cu_seqlens`` from device tensors, so a ``full`` graph replays any batch
+  composition of its key, decode and packed prefill alike.
+* ``sdpa``: a ``graph_break`` op. It writes the new keys and values, then attends with PyTorch's
+  ``scaled_dot_product_attention`` using host-side lengths from the forward context (what engines feed
+  flash-attention's varlen API), so its cost follows the batch's real lengths. ``breakable`` and
+  ``tc_piecewise`` run it eagerly between graph segments with the live context; without host lengths in
+  the context (``full`` captures it with none) it uses the device-metadata reference instead.
 """
 
-# No ``from __future__ import annotations`` here: torch derives the operator schema from the annotations.
+# No ``from __future__ import annotations`` here: torch derives the operator schema from the annotations,
+# and it reads ``Optional[Tensor]``.
+
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from devgraph.breaks import graph_break
 from devgraph.context import get_forward_context
+from devgraph.reference.kernels import attention_backend, torch_ref
 
-__all__ = ["attention", "ATTENTION_OP_NAME"]
+__all__ = ["PagedMetadata", "ATTENTION_OP_NAME", "sdpa_attention", "paged_attention"]
 
-ATTENTION_OP_NAME = "devgraph_ref::attention"
+ATTENTION_OP_NAME = "devgraph_ref::paged_sdpa"
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[B, KVH, S, D] -> [B, KVH * groups, S, D]``; query head ``h`` reads KV head ``h // groups``.
+@dataclass
+class PagedMetadata:
+    """A step's attention metadata, all device tensors (shapes fixed by the step's key).
 
-    Used in prefill, where the keys are only this step's tokens, so the copy is small.
+    ``slot_mapping [T]`` int64: the cache slot each token's key/value goes to (padding: the scratch slot).
+    ``block_tables [R, max_blocks]`` int32, ``seq_lens [R]`` int32 (kv length, new tokens included).
+    ``cu_seqlens_q [R + 1]`` int32 for packed steps (prefill, verify); ``None`` in decode.
     """
-    if groups == 1:
-        return x
-    b, kvh, s, d = x.shape
-    return x[:, :, None].expand(b, kvh, groups, s, d).reshape(b, kvh * groups, s, d)
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
 
 
-def _decode_window(cache_len: int) -> int:
-    """How many cache positions decode must read: the context's ``max_seq_len`` if it gives one."""
-    context = get_forward_context()
-    window = getattr(context, "max_seq_len", None) if context is not None else None
-    if isinstance(window, int) and not isinstance(window, bool) and window > 0:
-        return min(window, cache_len)
-    return cache_len
+# The kernels as torch custom ops: opaque to dynamo and inductor (the compiling strategies keep them as
+# one call each, as engines do with their attention kernels), captured whole by device graphs, and traced
+# op by op by the CPU simulator (it traces Python custom-op bodies). ``kernels`` picks the implementation.
 
 
-def _attention_fake(
+@torch.library.custom_op("devgraph_ref::write_kv", mutates_args=("k_cache", "v_cache"))
+def _write_kv_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kernels: str,
+) -> None:
+    attention_backend(kernels).write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+@_write_kv_op.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, kernels):  # type: ignore[no-untyped-def]
+    return None
+
+
+@torch.library.custom_op("devgraph_ref::paged_decode", mutates_args=())
+def _decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kernels: str,
+) -> torch.Tensor:
+    return attention_backend(kernels).paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale
+    )
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, scale, kernels):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("devgraph_ref::paged_prefill", mutates_args=())
+def _prefill_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kernels: str,
+) -> torch.Tensor:
+    ops = attention_backend(kernels)
+    return ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+@_prefill_op.register_fake
+def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, kernels):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
+def paged_attention(
+    kernels: str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_slots: torch.Tensor,
-    positions: torch.Tensor,
-    is_prefill: bool,
+    meta: PagedMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's keys/values, then attend through the device-metadata kernels."""
+    _write_kv_op(k, v, k_cache, v_cache, meta.slot_mapping, kernels)
+    if meta.cu_seqlens_q is None:
+        return _decode_op(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kernels)
+    return _prefill_op(
+        q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, kernels
+    )
+
+
+def _host_lengths(name: str) -> list | None:
+    context = get_forward_context()
+    value = getattr(context, name, None) if context is not None else None
+    return value if isinstance(value, list) else None
+
+
+def _fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],  # noqa: UP045 - torch derives the op schema from it
+    scale: float,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-@graph_break(ATTENTION_OP_NAME, mutates_args=("k_cache", "v_cache"), fake=_attention_fake)
-def attention(
+@graph_break(ATTENTION_OP_NAME, mutates_args=("k_cache", "v_cache"), fake=_fake)
+def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    req_slots: torch.Tensor,
-    positions: torch.Tensor,
-    is_prefill: bool,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],  # noqa: UP045 - torch derives the op schema from it
+    scale: float,
 ) -> torch.Tensor:
-    """Write this step's keys/values into the cache, then attend; returns a new ``[N, H, D]`` tensor.
+    """The ``sdpa`` attention break op: write K/V, then SDPA sized by the context's host lengths.
 
-    Shapes: ``q [N, H, D]``, ``k``/``v [N, KVH, D]``, ``k_cache``/``v_cache [R + 1, S, KVH, D]``
-    (row ``R`` is the padding slot), ``req_slots``/``positions [N]`` int64. Token ``i`` is written at
-    ``cache[req_slots[i], positions[i]]``.
-
-    * Decode (``is_prefill=False``): row ``i`` attends to its request's cache row, positions
-      ``0..positions[i]`` (the token just written included).
-    * Prefill (``is_prefill=True``): ``N`` packed tokens of new requests (no cached prefix); token ``i``
-      attends to packed token ``j`` iff they share a slot and ``positions[j] <= positions[i]``.
-
-    Everything is tensor ops with shapes fixed by the inputs' shapes (no ``.item()``, no ``nonzero``, no
-    boolean indexing), so the op can be captured into a device graph.
-
-    Host-side lengths: a break op replays with its capture-time tensors, but it runs as Python at every
-    replay, so it may read per-batch host state. In decode, if :func:`devgraph.context.get_forward_context`
-    returns an object whose ``max_seq_len`` is an int, only ``cache[:, :max_seq_len]`` is read; the
-    result is the same as over the full window as long as every position is below ``max_seq_len``, and
-    far cheaper for short sequences. This is how real engines feed attention kernels host-side
-    sequence lengths. Leave the context ``None`` (or without ``max_seq_len``) while this op is captured
-    *into* a graph (``full``): a window read at capture would be baked into every replay.
+    Host lengths: ``context.seq_lens`` (kv length of each real request) and, for packed steps,
+    ``context.cu_seqlens_q`` (cumulative query lengths). Rows past the real requests and tokens are zero.
     """
-    # Tensor-indexed index_put_ has a fixed launch shape, unlike slicing by a position read on the host.
-    k_cache.index_put_((req_slots, positions), k)
-    v_cache.index_put_((req_slots, positions), v)
-    groups = q.shape[1] // k.shape[1]
+    torch_ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    host_lens = _host_lengths("seq_lens")
+    if host_lens is None:
+        # No host lengths (captured whole under `full`): the device-metadata reference, valid for any batch.
+        if cu_seqlens_q is None:
+            return torch_ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return torch_ref.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale
+        )
+    if cu_seqlens_q is None:
+        return _decode_sdpa(q, k_cache, v_cache, block_tables, seq_lens, max(host_lens, default=0), scale)
+    host_cu = _host_lengths("cu_seqlens_q")
+    if host_cu is None:
+        raise ValueError("the sdpa attention op needs context.cu_seqlens_q (a list) for packed steps")
+    return _packed_sdpa(q, k_cache, v_cache, block_tables, host_lens, host_cu, scale)
 
-    if is_prefill:
-        # One batch of N packed tokens; the mask keeps requests apart and causal within each.
-        same_request = req_slots[:, None] == req_slots[None, :]
-        causal = positions[None, :] <= positions[:, None]
-        mask = (same_request & causal)[None, None]  # [1, 1, N, N]
-        q_b = q.transpose(0, 1)[None]  # [1, H, N, D]
-        k_b = _repeat_kv(k.transpose(0, 1)[None], groups)
-        v_b = _repeat_kv(v.transpose(0, 1)[None], groups)
-        out = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=mask)  # [1, H, N, D]
-        return out[0].transpose(0, 1).contiguous()
 
-    window = _decode_window(k_cache.shape[1])
-    n, kvh, d = k.shape
-    # Slice (a view) before gathering so only the window is copied.
-    keys = k_cache[:, :window].index_select(0, req_slots).permute(0, 2, 1, 3)  # [N, KVH, W, D]
-    values = v_cache[:, :window].index_select(0, req_slots).permute(0, 2, 1, 3)
-    visible = torch.arange(window, device=q.device) <= positions[:, None]  # [N, W]
-    # GQA without copying the cache window once per query head: the `groups` query heads that share a
-    # KV head become `groups` query rows against it (same mask for each), as decode kernels do.
+def _gather(cache: torch.Tensor, table: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``[R, blocks * block_size, KVH, D]``: the first ``blocks`` pages of every request, in order."""
+    pages = cache.index_select(0, table[:, :blocks].reshape(-1).long())
+    return pages.reshape(table.shape[0], blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+def _decode_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    longest: int,
+    scale: float,
+) -> torch.Tensor:
+    requests, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    blocks = max(1, -(-longest // k_cache.shape[1]))
+    keys = _gather(k_cache, block_tables, blocks).permute(0, 2, 1, 3)  # [R, KVH, W, D]
+    values = _gather(v_cache, block_tables, blocks).permute(0, 2, 1, 3)
+    window = keys.shape[2]
+    visible = torch.arange(window, device=q.device)[None, :] < seq_lens[:, None]  # [R, W]
+    visible[:, 0] |= seq_lens == 0  # a padding row sees one (ignored) position instead of none: no NaN
+    # GQA without copying the window once per query head: the heads sharing a KV head become query rows.
     out = F.scaled_dot_product_attention(
-        q.reshape(n, kvh, groups, d), keys, values, attn_mask=visible[:, None, None, :]
-    )  # [N, KVH, groups, D]
-    return out.reshape(n, kvh * groups, d).contiguous()
+        q.reshape(requests, kv_heads, heads // kv_heads, dim),
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+    )
+    out = out.reshape(requests, heads, dim)
+    return torch.where((seq_lens > 0)[:, None, None], out, torch.zeros_like(out))
+
+
+def _packed_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    host_lens: list,
+    host_cu: list,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    heads = q.shape[1]
+    kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    for r, length in enumerate(host_lens):
+        start, stop = host_cu[r], host_cu[r + 1]
+        if stop <= start or length <= 0:
+            continue
+        blocks = -(-length // block_size)
+        table = block_tables[r : r + 1]
+        keys = _gather(k_cache, table, blocks)[0, :length].transpose(0, 1)  # [KVH, L, D]
+        values = _gather(v_cache, table, blocks)[0, :length].transpose(0, 1)
+        query = q[start:stop].transpose(0, 1)  # [H, Q, D]
+        first = length - (stop - start)  # absolute position of the first query
+        causal = torch.arange(length, device=q.device)[None, :] <= (
+            first + torch.arange(stop - start, device=q.device)[:, None]
+        )
+        groups = heads // kv_heads
+        attn = F.scaled_dot_product_attention(
+            query.reshape(kv_heads, groups, stop - start, -1),
+            keys[:, None],
+            values[:, None],
+            attn_mask=causal,
+            scale=scale,
+        )
+        out[start:stop] = attn.reshape(heads, stop - start, -1).transpose(0, 1)
+    return out

@@ -10,7 +10,10 @@ import torch
 
 from devgraph.errors import ConfigError
 
-__all__ = ["ReferenceConfig", "PRESET_NAMES"]
+__all__ = ["ReferenceConfig", "PRESET_NAMES", "ATTENTION_MODES"]
+
+#: ``paged``: kernels over device metadata (capturable whole); ``sdpa``: a break op with host metadata.
+ATTENTION_MODES: tuple[str, ...] = ("paged", "sdpa")
 
 # Shapes only; dtype and limits that a caller commonly overrides are plain fields too.
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -24,6 +27,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=128,
         max_requests=64,
         max_seq_len=256,
+        block_size=16,
         dtype=torch.float32,
     ),
     # Qwen3-0.6B's shapes (without its per-head q/k norms); hidden_size != num_heads * head_dim there.
@@ -37,6 +41,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=3072,
         max_requests=64,
         max_seq_len=2048,
+        block_size=16,
         dtype=torch.bfloat16,
     ),
 }
@@ -64,6 +69,7 @@ _POSITIVE_INTS = (
     "intermediate_size",
     "max_requests",
     "max_seq_len",
+    "block_size",
 )
 
 
@@ -71,8 +77,12 @@ _POSITIVE_INTS = (
 class ReferenceConfig:
     """Shape of a :class:`~devgraph.reference.ReferenceModel`.
 
-    ``max_requests`` KV-cache rows are usable; the model allocates one more, the padding slot.
-    ``hidden_size`` need not equal ``num_heads * head_dim`` (it does not in Qwen3).
+    The KV cache is paged: ``num_blocks`` blocks of ``block_size`` positions per layer (default: enough
+    for ``max_requests`` requests of ``max_seq_len`` tokens, plus block 0, the scratch block padding rows
+    write to). ``hidden_size`` need not equal ``num_heads * head_dim`` (it does not in Qwen3).
+    ``attention``: ``paged`` (kernels that read block tables and lengths from device tensors, so a full
+    graph replays any batch) or ``sdpa`` (a break op fed host-side lengths through the forward context).
+    ``kernels``: ``auto`` (Triton on a GPU when it imports, else the torch reference), ``triton``, ``torch``.
     """
 
     vocab_size: int
@@ -84,9 +94,13 @@ class ReferenceConfig:
     intermediate_size: int
     max_requests: int
     max_seq_len: int
+    block_size: int = 16
+    num_blocks: int | None = None
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     dtype: torch.dtype = torch.float32
+    attention: str = "paged"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -97,6 +111,23 @@ class ReferenceConfig:
             raise ConfigError(
                 f"ReferenceConfig.num_heads ({self.num_heads}) must be divisible by "
                 f"num_kv_heads ({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.block_size & (self.block_size - 1) or self.block_size < 16:
+            raise ConfigError(
+                f"ReferenceConfig.block_size must be a power of two >= 16, got {self.block_size}"
+            )
+        if self.num_blocks is not None and (
+            isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 2
+        ):
+            raise ConfigError(f"ReferenceConfig.num_blocks must be an int >= 2, got {self.num_blocks!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(
+                f"ReferenceConfig.attention {self.attention!r} is unknown; "
+                f"accepted: {', '.join(ATTENTION_MODES)}"
+            )
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ConfigError(
+                f"ReferenceConfig.kernels {self.kernels!r} is unknown; accepted: auto, triton, torch"
             )
         if self.head_dim % 2:
             raise ConfigError(f"ReferenceConfig.head_dim must be even for RoPE, got {self.head_dim}")
@@ -110,6 +141,18 @@ class ReferenceConfig:
                 f"ReferenceConfig.dtype must be a floating torch.dtype, got {self.dtype!r}; "
                 f"accepted names in presets: {', '.join(_DTYPE_NAMES)}"
             )
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        """Block-table width: blocks one request of ``max_seq_len`` tokens needs."""
+        return -(-self.max_seq_len // self.block_size)
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks per layer cache, the scratch block 0 included."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return 1 + self.max_requests * self.max_blocks_per_request
 
     @property
     def kv_groups(self) -> int:

@@ -1,4 +1,4 @@
-"""A random-weight Llama-style decoder whose attention is a graph-break op."""
+"""A random-weight Llama-style decoder over a paged KV cache (the reference model)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devgraph.reference.attention import attention
+from devgraph.reference.attention import PagedMetadata, paged_attention, sdpa_attention
 from devgraph.reference.config import ReferenceConfig
 
-__all__ = ["ReferenceModel", "RMSNorm", "DecoderLayer"]
+__all__ = ["ReferenceModel", "RMSNorm", "DecoderLayer", "draw_weight"]
 
 
-def _draw(
+def draw_weight(
     generator: torch.Generator, shape: tuple[int, ...], fan_in: int, device: torch.device, dtype: torch.dtype
 ) -> nn.Parameter:
     """A frozen weight ~ N(0, 1/fan_in), drawn on the CPU so a seed gives the same weights on any device.
@@ -48,63 +48,83 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: GQA attention over this layer's KV cache, then a SwiGLU MLP."""
+    """Pre-norm block: GQA attention over this layer's paged KV cache, then a SwiGLU MLP."""
 
     def __init__(self, config: ReferenceConfig, generator: torch.Generator, device: torch.device) -> None:
         super().__init__()
         c, dt = config, config.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.attention, self.kernels = c.attention, c.kernels
+        self.scale = c.head_dim**-0.5
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
         # Fused q/k/v and gate/up projections: fewer kernels per step, as in production engines.
-        self.qkv_proj = _draw(generator, (q_size + 2 * kv_size, c.hidden_size), c.hidden_size, device, dt)
-        self.o_proj = _draw(generator, (c.hidden_size, q_size), q_size, device, dt)
+        self.qkv_proj = draw_weight(
+            generator, (q_size + 2 * kv_size, c.hidden_size), c.hidden_size, device, dt
+        )
+        self.o_proj = draw_weight(generator, (c.hidden_size, q_size), q_size, device, dt)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
-        self.gate_up_proj = _draw(
+        self.gate_up_proj = draw_weight(
             generator, (2 * c.intermediate_size, c.hidden_size), c.hidden_size, device, dt
         )
-        self.down_proj = _draw(
+        self.down_proj = draw_weight(
             generator, (c.hidden_size, c.intermediate_size), c.intermediate_size, device, dt
         )
-        # Zeros, not empty: masked-out cache entries still enter q @ k^T, and NaN garbage there would
-        # survive the mask. Non-persistent so state_dict() holds only the weights.
-        cache_shape = (c.max_requests + 1, c.max_seq_len, c.num_kv_heads, c.head_dim)
+        # Zeros, not empty: NaN garbage in never-written slots must not reach a masked-out score.
+        # Non-persistent so state_dict() holds only the weights.
+        cache_shape = (c.total_blocks, c.block_size, c.num_kv_heads, c.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        if self.attention == "sdpa":
+            return sdpa_attention(
+                q,
+                k,
+                v,
+                self.k_cache,
+                self.v_cache,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.cu_seqlens_q,
+                self.scale,
+            )
+        return paged_attention(self.kernels, q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+
     def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        req_slots: torch.Tensor,
-        is_prefill: bool,
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedMetadata
     ) -> torch.Tensor:
         n = hidden.shape[0]
         q, k, v = F.linear(self.input_norm(hidden), self.qkv_proj).split(self.split_sizes, dim=-1)
         q = _rotate(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = _rotate(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        attn = attention(q, k, v, self.k_cache, self.v_cache, req_slots, positions, is_prefill)
-        hidden = hidden + F.linear(attn.view(n, -1), self.o_proj)
+        attn = self.attend(q, k, v, meta)
+        hidden = hidden + F.linear(attn.reshape(n, -1), self.o_proj)
         gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
         return hidden + F.linear(F.silu(gate) * up, self.down_proj)
 
 
 class ReferenceModel(nn.Module):
-    """A small Llama-style decoder with random weights and a KV cache held as buffers.
+    """A small Llama-style decoder with random weights and a paged KV cache held as buffers.
 
     Built from ``config``, a ``device`` and a ``seed``: the same seed gives the same weights on any
-    device. ``k_cache[layer]`` / ``v_cache[layer]`` are ``[max_requests + 1, max_seq_len, KVH, D]``;
-    row ``max_requests`` is :attr:`padding_slot`, where padded rows write harmlessly. The LM head is
-    tied to the embedding (as in Qwen3-0.6B).
+    device. ``k_cache[layer]`` / ``v_cache[layer]`` are ``[total_blocks, block_size, KVH, D]``; block 0 is
+    the scratch block (slot :attr:`padding_slot` is where padding tokens write). The LM head is tied to
+    the embedding (as in Qwen3-0.6B).
 
-    :meth:`decode_step` and :meth:`prefill_step` are pure tensor code (capturable) and take keyword
-    arguments ``input_ids``, ``positions``, ``req_slots`` (all int64, one entry per token). Positions
-    must be below ``max_seq_len``; they are not checked, since that would need a host sync. Every
-    weight is frozen (``requires_grad=False``), so no autograd state is recorded without ``no_grad``.
+    The steps are pure tensor code whose metadata is device tensors (see :class:`PagedMetadata`):
+
+    * :meth:`decode_step`: one token per request -> logits ``[B, vocab]``;
+    * :meth:`prefill_step`: packed tokens of several requests (chunked prefill: a cached prefix is fine)
+      -> logits of each request's last token ``[R, vocab]``;
+    * :meth:`verify_step`: packed ``1 + k`` tokens per request (speculative decoding) -> logits of every
+      token ``[T, vocab]``.
+
+    Positions must be below ``max_seq_len``; they are not checked, since that would need a host sync.
+    Every weight is frozen (``requires_grad=False``).
     """
 
     def __init__(
@@ -115,7 +135,7 @@ class ReferenceModel(nn.Module):
         self.config = config
         generator = torch.Generator().manual_seed(seed)
         # Draw order is fixed (embedding, then layer by layer) so a seed pins every weight.
-        self.embed = _draw(
+        self.embed = draw_weight(
             generator, (config.vocab_size, config.hidden_size), config.hidden_size, device, config.dtype
         )
         self.layers = nn.ModuleList(DecoderLayer(config, generator, device) for _ in range(config.num_layers))
@@ -134,44 +154,39 @@ class ReferenceModel(nn.Module):
 
     @property
     def padding_slot(self) -> int:
-        """The extra cache row that padded rows point at (never a live request)."""
-        return self.config.max_requests
+        """The cache slot padding tokens write to (in block 0, which no request owns)."""
+        return 0
 
     @property
     def k_cache(self) -> list[torch.Tensor]:
-        """Per-layer key caches, ``[max_requests + 1, max_seq_len, KVH, D]`` each."""
         return [layer.k_cache for layer in self.layers]
 
     @property
     def v_cache(self) -> list[torch.Tensor]:
-        """Per-layer value caches, ``[max_requests + 1, max_seq_len, KVH, D]`` each."""
         return [layer.v_cache for layer in self.layers]
 
     @torch.no_grad()
     def randomize_cache(self, seed: int = 0) -> None:
-        """Fill every KV cache (padding slot included) with N(0, 1) values, in place.
-
-        Drawn on the model's device (fast even for multi-GB caches), so the values are reproducible
-        per device type, not across devices.
-        """
+        """Fill every KV cache (scratch block included) with N(0, 1) values, in place (reproducible per
+        device type, drawn on the model's device so multi-GB caches fill fast)."""
         generator = torch.Generator(device=self.device).manual_seed(seed)
         for cache in (*self.k_cache, *self.v_cache):
             cache.normal_(generator=generator)
 
     @torch.no_grad()
     def clear_cache(self) -> None:
-        """Zero every KV cache."""
         for cache in (*self.k_cache, *self.v_cache):
             cache.zero_()
 
-    def _hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor, is_prefill: bool
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
     ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden_size]`` of a step's tokens."""
         hidden = F.embedding(input_ids, self.embed)
-        cos = self.rope_cos.index_select(0, positions)[:, None]  # [N, 1, D/2]
+        cos = self.rope_cos.index_select(0, positions)[:, None]  # [T, 1, D/2]
         sin = self.rope_sin.index_select(0, positions)[:, None]
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, positions, req_slots, is_prefill)
+            hidden = layer(hidden, cos, sin, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -179,27 +194,47 @@ class ReferenceModel(nn.Module):
         return F.linear(hidden, self.embed)
 
     def decode_step(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """One token per request: ``[B]`` int64 inputs -> logits ``[B, vocab_size]``.
-
-        Writes each token's K/V at ``cache[req_slots, positions]`` and attends to that request's cache
-        row up to and including its position.
-        """
-        return self.compute_logits(self._hidden(input_ids, positions, req_slots, is_prefill=False))
+        """One token per request (``[B]`` ids, positions, slots; ``[B, max_blocks]`` tables, ``[B]`` lengths
+        including this token) -> logits ``[B, vocab_size]``."""
+        meta = PagedMetadata(slot_mapping, block_tables, seq_lens)
+        return self.compute_logits(self.hidden_states(input_ids, positions, meta))
 
     def prefill_step(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
     ) -> torch.Tensor:
-        """Packed tokens of new requests: ``[T]`` int64 inputs -> final-normed hidden ``[T, hidden_size]``.
+        """Packed tokens of ``R`` requests (``cu_seqlens_q [R + 1]``) -> logits of each request's last
+        token, ``[R, vocab_size]`` (a request with no tokens, a padding request, gets a meaningless row)."""
+        meta = PagedMetadata(slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+        hidden = self.hidden_states(input_ids, positions, meta)
+        last = (cu_seqlens_q[1:].long() - 1).clamp(min=0)
+        return self.compute_logits(hidden.index_select(0, last))
 
-        Each request's tokens share a slot and carry positions ``0..L-1``; tokens attend causally within
-        their request only. Run :meth:`compute_logits` on the last tokens outside the graph.
-        """
-        return self._hidden(input_ids, positions, req_slots, is_prefill=True)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor
+    def verify_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
     ) -> torch.Tensor:
+        """Packed ``1 + k`` tokens per request -> logits of every token, ``[T, vocab_size]``."""
+        meta = PagedMetadata(slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+        return self.compute_logits(self.hidden_states(input_ids, positions, meta))
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """Same as :meth:`decode_step`."""
-        return self.decode_step(input_ids=input_ids, positions=positions, req_slots=req_slots)
+        return self.decode_step(*args, **kwargs)

@@ -1,33 +1,40 @@
-"""GraphRunners for the reference model's decode and prefill steps (demo, benchmarks, tests)."""
+"""GraphRunners for the reference model's steps (demo, benchmarks, tests, the serving engine)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from devgraph.reference.inputs import padding_fill
+from devgraph.keys import REQUESTS
+from devgraph.reference.inputs import reference_inputs
 from devgraph.reference.model import ReferenceModel
-from devgraph.runner import GraphRunner, StaticInput
+from devgraph.runner import GraphRunner
 
-__all__ = ["reference_inputs", "decode_runner", "prefill_runner"]
-
-
-def reference_inputs(model: ReferenceModel) -> dict[str, StaticInput]:
-    """The static inputs of both steps; padding rows write to the model's scratch KV slot."""
-    fill = padding_fill(model)
-    return {
-        name: StaticInput(torch.int64, fill=fill[name]) for name in ("input_ids", "positions", "req_slots")
-    }
+__all__ = ["decode_runner", "prefill_runner", "verify_runner"]
 
 
 def decode_runner(model: ReferenceModel, **kwargs: Any) -> GraphRunner:
     """A decode-phase runner over ``model.decode_step`` (sizes are batch sizes)."""
     kwargs.setdefault("device", model.device)
-    return GraphRunner(model.decode_step, phase="decode", inputs=reference_inputs(model), **kwargs)
+    return GraphRunner(model.decode_step, phase="decode", inputs=reference_inputs(model, "decode"), **kwargs)
 
 
 def prefill_runner(model: ReferenceModel, **kwargs: Any) -> GraphRunner:
-    """A prefill-phase runner over ``model.prefill_step`` (sizes are packed token counts)."""
+    """A prefill-phase runner over ``model.prefill_step`` (sizes are packed token counts; up to
+    ``max_requests`` requests per step, one request bucket per token size)."""
     kwargs.setdefault("device", model.device)
-    return GraphRunner(model.prefill_step, phase="prefill", inputs=reference_inputs(model), **kwargs)
+    kwargs.setdefault("axes", {REQUESTS: model.config.max_requests})
+    return GraphRunner(
+        model.prefill_step, phase="prefill", inputs=reference_inputs(model, "prefill"), **kwargs
+    )
+
+
+def verify_runner(model: ReferenceModel, tokens_per_request: int, **kwargs: Any) -> GraphRunner:
+    """A speculative-decoding verify runner over ``model.verify_step`` (``1 + k`` tokens per request)."""
+    kwargs.setdefault("device", model.device)
+    return GraphRunner(
+        model.verify_step,
+        phase="verify",
+        inputs=reference_inputs(model, "verify"),
+        tokens_per_request=tokens_per_request,
+        **kwargs,
+    )

@@ -1,23 +1,24 @@
-"""Bookkeeping shared by the graph-capturing strategies: one pool, one stream, entries per shape key."""
+"""Bookkeeping shared by the graph-capturing strategies: pools, the stream, one entry per key."""
 
 from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from devgraph.backend import DeviceGraphBackend
 from devgraph.context import replay_flag
 from devgraph.errors import CaptureError, ReplayError
+from devgraph.keys import GraphKey
 
 __all__ = ["CapturedEntry", "GraphStrategy"]
 
 
 class CapturedEntry(Protocol):
-    """What a strategy keeps per shape key: replays and returns the captured outputs."""
+    """What a strategy keeps per key: replays and returns the captured outputs."""
 
     outputs: Any
 
@@ -25,64 +26,97 @@ class CapturedEntry(Protocol):
 
     def reset(self) -> None: ...
 
+    def describe(self) -> dict[str, Any]: ...
+
 
 class GraphStrategy(DeviceGraphBackend):
-    """A strategy that captures one :class:`CapturedEntry` per shape key into a shared pool."""
+    """A strategy that captures one :class:`CapturedEntry` per key, into a shared pool or one per key."""
+
+    supports_release: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pool: Any = None
+        self._pool: Any = None  # the pool of the capture in progress
+        self._shared_pool: Any = None
+        self._key_pools: dict[GraphKey, Any] = {}  # keys captured into a pool of their own
+        self._shared = True
         self._stream: Any = None
-        self._entries: dict[int, CapturedEntry] = {}
+        self._entries: dict[GraphKey, CapturedEntry] = {}
+        self._session = False
 
     @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        if self._pool is None:
-            self._pool = self.platform.graph_pool_handle()
+    def capture_session(self, stream: Any, *, shared_pool: bool = True) -> Iterator[None]:
         self._stream = stream
-        with self.platform.capture_guard(), self.platform.stream(stream):
-            yield
+        self._shared = shared_pool
+        self._session = True
+        try:
+            with self.platform.capture_guard(), self.platform.stream(stream):
+                yield
+        finally:
+            self._session = False
+            self._pool = None
 
-    def capture_one(self, key: int, forward_fn: Callable[[], Any]) -> Any:
+    def capture_one(self, key: GraphKey, forward_fn: Callable[[], Any]) -> Any:
         if key in self._entries:
             raise CaptureError(
-                f"size {key} is already captured; call cleanup() before capturing it again", size=key
+                f"{key} is already captured; call cleanup() before capturing it again", size=key.tokens
             )
-        if self._pool is None:
+        if not self._session:
             raise CaptureError(
-                "capture_one() called outside capture_session(); the runner opens it", size=key
+                "capture_one() called outside capture_session(); the runner opens it", size=key.tokens
             )
+        if self._shared:
+            if self._shared_pool is None:
+                self._shared_pool = self.platform.graph_pool_handle()
+            self._pool = self._shared_pool
+        else:
+            self._pool = self.platform.graph_pool_handle()
         entry = self._capture(key, forward_fn)
         self._entries[key] = entry
+        if not self._shared:
+            self._key_pools[key] = self._pool
         return entry.outputs
 
     @abstractmethod
-    def _capture(self, key: int, forward_fn: Callable[[], Any]) -> CapturedEntry:
-        """Capture ``forward_fn`` for ``key``; on failure release anything half-captured and re-raise."""
+    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> CapturedEntry:
+        """Capture ``forward_fn`` for ``key`` into ``self._pool``; on failure release anything
+        half-captured and re-raise."""
 
-    def has_shape(self, key: int) -> bool:
+    def has_shape(self, key: GraphKey) -> bool:
         return key in self._entries
 
-    def replay(self, key: int, static_inputs: Mapping[str, torch.Tensor]) -> Any:
-        try:
-            entry = self._entries[key]
-        except KeyError:
+    def replay(self, key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> Any:
+        entry = self._entries.get(key)
+        if entry is None:
             raise ReplayError(
-                f"no graph captured for size {key} (captured: {sorted(self._entries)}); "
+                f"no graph captured for {key} (captured: {[str(k) for k in self.captured_keys()]}); "
                 "capture it first or let the runner fall back to eager"
-            ) from None
+            )
         return entry.replay()
 
     def runtime_session(self) -> contextlib.AbstractContextManager[None]:
         return replay_flag()
 
+    def release(self, key: GraphKey) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry.reset()
+        if self._key_pools.pop(key, None) is not None:
+            self.platform.empty_cache()  # the key's own pool is unused now: give its memory back
+
     def cleanup(self) -> None:
         for entry in self._entries.values():
             entry.reset()
         self._entries.clear()
+        self._key_pools.clear()
+        self._shared_pool = None
         self._pool = None
         self._stream = None
         self.platform.empty_cache()
 
-    def captured_keys(self) -> list[int]:
-        return sorted(self._entries)
+    def captured_keys(self) -> list[GraphKey]:
+        return sorted(self._entries, key=GraphKey.sort_key)
+
+    def describe_key(self, key: GraphKey) -> dict[str, Any]:
+        entry = self._entries.get(key)
+        return entry.describe() if entry is not None else {}

@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.utils import _pytree as pytree
+
 from devgraph.breaks import BreakOp, break_handler
 from devgraph.context import capture_flag
+from devgraph.keys import GraphKey
 from devgraph.platform import DeviceGraph, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.plan import BreakCall, SegmentedPlan
@@ -37,11 +41,22 @@ class SegmentRecorder:
     def run_break(
         self, op: BreakOp | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """Run a break op eagerly (outside any graph) and record it for replay."""
-        with capture_flag(False):
+        """Run a break op eagerly (outside any graph) and record it for replay.
+
+        Its outputs are allocated in the graph pool and the plan keeps only weak aliases of its arguments
+        and outputs: once the forward no longer needs them, later segments (and other keys, captured into
+        the same pool) reuse that memory, as one full graph would. Replay runs segments and breaks in
+        capture order and one key at a time, so every alias is read before its memory is written again.
+        """
+        with capture_flag(False), self.platform.allocate_into(self.pool):
             outputs = op.run_eager(args, kwargs) if isinstance(op, BreakOp) else op(*args, **kwargs)
-        self.steps.append(BreakCall(op, args, kwargs, outputs))
+        weak = self._weakly
+        self.steps.append(BreakCall(op, weak(args), weak(kwargs), weak(outputs)))
         return outputs
+
+    def _weakly(self, tree: Any) -> Any:
+        alias = self.platform.weak_alias
+        return pytree.tree_map(lambda t: alias(t) if isinstance(t, torch.Tensor) else t, tree)
 
     def abort(self) -> None:
         """Release everything recorded so far after a failure."""
@@ -64,7 +79,7 @@ class BreakableBackend(GraphStrategy):
 
     name = "breakable"
 
-    def _capture(self, key: int, forward_fn: Callable[[], Any]) -> SegmentedPlan:
+    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> SegmentedPlan:
         recorder = SegmentRecorder(self.platform, self._pool)
 
         def on_break(op: BreakOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -9,6 +9,7 @@ import torch
 
 from devgraph.backend import Batch, DeviceGraphBackend
 from devgraph.errors import ReplayError
+from devgraph.keys import GraphKey
 
 __all__ = ["EagerBackend"]
 
@@ -22,13 +23,13 @@ class EagerBackend(DeviceGraphBackend):
     def can_run(self, batch: Batch) -> bool:
         return False
 
-    def capture_one(self, key: int, forward_fn: Callable[[], Any]) -> Any:
+    def capture_one(self, key: GraphKey, forward_fn: Callable[[], Any]) -> Any:
         return None
 
-    def has_shape(self, key: int) -> bool:
+    def has_shape(self, key: GraphKey) -> bool:
         return False
 
-    def replay(self, key: int, static_inputs: Mapping[str, torch.Tensor]) -> Any:
+    def replay(self, key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> Any:
         raise ReplayError(
             "the eager backend captures nothing to replay; the runner runs the forward directly"
         )

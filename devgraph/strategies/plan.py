@@ -102,6 +102,9 @@ class SegmentedPlan:
     def num_breaks(self) -> int:
         return sum(isinstance(s, BreakCall) for s in self.steps)
 
+    def describe(self) -> dict[str, Any]:
+        return {"graphs": self.num_segments, "segments": self.num_segments, "break_ops": self.num_breaks}
+
     def replay(self) -> Any:
         for call in self._calls:
             call()

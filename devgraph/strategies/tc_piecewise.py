@@ -11,23 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from devgraph.breaks import is_break_target
-from devgraph.errors import CaptureError, ConfigError, RecompileError
+from devgraph.inputs import StaticInput
+from devgraph.keys import GraphKey
+from devgraph.modes import Compiler
 from devgraph.platform import Availability, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.breakable import SegmentRecorder
+from devgraph.strategies.compiling import (
+    CompileSession,
+    check_compiler,
+    dynamo_availability,
+    inductor_compile,
+)
 from devgraph.strategies.plan import SegmentedPlan
 
-__all__ = ["TcPiecewiseBackend", "COMPILERS"]
+__all__ = ["TcPiecewiseBackend"]
 
 logger = logging.getLogger(__name__)
-
-COMPILERS = ("eager", "inductor")
 
 
 def _split_at_breaks(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
@@ -75,17 +81,21 @@ def _piece_example_inputs(
 class _Piece(torch.nn.Module):
     """A compiled piece; captures itself as one segment while its backend is building a plan."""
 
-    def __init__(self, owner: TcPiecewiseBackend, fn: Callable[..., Any]) -> None:
+    def __init__(self, owner: TcPiecewiseBackend, fn: Callable[..., Any], opaque: bool) -> None:
         super().__init__()
         self.owner = owner
         self.fn = fn
+        # Inductor's generated code is invisible to the CPU simulator's dispatch mode, so it is recorded as
+        # one call; an eager piece is an FX graph of torch ops, captured op by op (so the simulator sees a
+        # host sync inside it, as a device would).
+        self.opaque = opaque
 
     def forward(self, *args: Any) -> Any:
         recorder = self.owner._recorder
         if recorder is None:
             return self.fn(*args)
         recorder.begin_segment()
-        outputs = self.owner.platform.record_opaque(self.fn, *args)
+        outputs = self.owner.platform.record_opaque(self.fn, *args) if self.opaque else self.fn(*args)
         recorder.end_segment()
         return outputs
 
@@ -108,80 +118,60 @@ class _BreakPiece(torch.nn.Module):
 class TcPiecewiseBackend(GraphStrategy):
     """``torch.compile`` + piecewise graphs split at break ops.
 
-    Options: ``compiler`` = ``eager`` (no code generation; fast to compile) or ``inductor`` (fused kernels).
-    A recompile after capture is reported (logged, counted in ``recompiles``; raised as
-    :class:`RecompileError` when the option ``on_recompile="raise"`` is set).
+    Options: ``compiler`` = ``eager`` (no code generation; fast to compile; the default) or ``inductor``
+    (fused kernels, ``inductor_mode`` passed through). The forward is compiled once for every size; a
+    recompile after capture is reported (logged and counted, or raised as :class:`RecompileError` with
+    ``on_recompile="raise"``).
     """
 
     name = "tc_piecewise"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.compiler = self.options.compiler or "eager"
-        if self.compiler not in COMPILERS:
-            raise ConfigError(
-                f"tc_piecewise compiler {self.compiler!r} is unknown; accepted: {', '.join(COMPILERS)}"
-            )
-        self.on_recompile = str(self.options.extra.get("on_recompile", "warn"))
-        self.compiles = 0
-        self.recompiles = 0
+        self.compiler = check_compiler(self.options.compiler, "tc_piecewise") or Compiler.EAGER.value
+        self.compile = CompileSession("tc_piecewise", self.options, self.platform)
         self.num_pieces = 0
-        self._sealed = False
+        self.num_breaks = 0
         self._recorder: SegmentRecorder | None = None
-        self._compiled: Callable[..., Any] | None = None
 
     @classmethod
     def availability(cls, platform: GraphPlatform) -> Availability:
-        base = platform.availability()
-        if not base:
-            return base
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception as exc:  # e.g. a Python version this torch's dynamo does not support
-            return Availability(
-                False, f"torch.compile is unavailable here ({exc}); use 'full' or 'breakable'"
-            )
-        return Availability(True)
+        return dynamo_availability(platform)
 
-    # -- compilation -----------------------------------------------------------------------------
+    @property
+    def compiles(self) -> int:
+        return self.compile.tracker.compiles
+
+    @property
+    def recompiles(self) -> int:
+        return self.compile.tracker.recompiles
+
+    # -- compilation --------------------------------------------------------------------------------
     def wrap_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        if self._compiled is None:
-            compiled = torch.compile(forward, backend=self._dynamo_backend, dynamic=True, fullgraph=True)
+        return self.compile.wrap(forward, self._dynamo_backend)
 
-            def call(*args: Any, **kwargs: Any) -> Any:
-                try:
-                    return compiled(*args, **kwargs)
-                except torch._dynamo.exc.Unsupported as exc:
-                    first_line = str(exc).strip().splitlines()[0]
-                    raise CaptureError(
-                        f"torch.compile cannot trace the forward as one graph ({first_line}); "
-                        "tc_piecewise needs "
-                        "a forward without dynamo graph breaks: move the offending code into a "
-                        "@devgraph.graph_break op, or use the 'breakable' mode"
-                    ) from exc
-                except torch._dynamo.exc.BackendCompilerFailed as exc:
-                    # Dynamo wraps whatever our backend raises; hand devgraph's own error back unwrapped.
-                    inner = getattr(exc, "inner_exception", None)
-                    if isinstance(inner, RecompileError):
-                        raise inner from None
-                    raise
-
-            self._compiled = call
-        return self._compiled
+    def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
+        self.compile.prepare(inputs, keys, self.compiler)
 
     def _dynamo_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        self.compiles += 1
-        if self._sealed:
-            self._report_recompile(gm)
+        self.compile.tracker.compiled()
         split, pieces, breaks = _split_at_breaks(gm)
-        examples = _piece_example_inputs(gm, split, pieces) if self.compiler == "inductor" else {}
+        inductor = self.compiler == Compiler.INDUCTOR.value
+        examples = _piece_example_inputs(gm, split, pieces) if inductor else {}
         for name in pieces:
             module = getattr(split, name)
-            fn = self._compile_piece(module, examples.get(name))
-            setattr(split, name, _Piece(self, fn))
+            example = examples.get(name)
+            if inductor and example is not None:
+                setattr(
+                    split,
+                    name,
+                    _Piece(self, inductor_compile(module, example, self.options.inductor_mode), True),
+                )
+            else:
+                setattr(split, name, _Piece(self, module, False))
         for name in breaks:
             setattr(split, name, _BreakPiece(self, getattr(split, name)))
-        self.num_pieces = len(pieces)
+        self.num_pieces, self.num_breaks = len(pieces), len(breaks)
         logger.info(
             "tc_piecewise: compiled %d pieces around %d break ops with %s",
             len(pieces),
@@ -190,27 +180,8 @@ class TcPiecewiseBackend(GraphStrategy):
         )
         return split
 
-    def _compile_piece(self, module: torch.fx.GraphModule, example: list[Any] | None) -> Callable[..., Any]:
-        if self.compiler == "eager" or example is None:
-            return module
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(module, example)
-
-    def _report_recompile(self, gm: torch.fx.GraphModule) -> None:
-        self.recompiles += 1
-        message = (
-            f"tc_piecewise recompiled after capture (recompile #{self.recompiles}): the captured graphs are "
-            "bypassed for the shapes that triggered it. Usually an input changed dtype, device or rank, "
-            "or a Python value the forward branches on changed; run with TORCH_LOGS=recompiles to see the "
-            "failing guard, and keep inputs in the runner's static buffers"
-        )
-        if self.on_recompile == "raise":
-            raise RecompileError(message)
-        logger.warning(message)
-
-    # -- capture ---------------------------------------------------------------------------------
-    def _capture(self, key: int, forward_fn: Callable[[], Any]) -> SegmentedPlan:
+    # -- capture ------------------------------------------------------------------------------------
+    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> SegmentedPlan:
         recorder = SegmentRecorder(self.platform, self._pool)
         self._recorder = recorder
         try:
@@ -223,12 +194,20 @@ class TcPiecewiseBackend(GraphStrategy):
         return recorder.finish(outputs)
 
     @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        with super().capture_session(stream):
+    def capture_session(self, stream: Any, *, shared_pool: bool = True) -> Iterator[None]:
+        with super().capture_session(stream, shared_pool=shared_pool):
             yield
-        # From here on a compile means a guard failed at run time: the bug this backend must report.
-        self._sealed = True
+        # Save new artifacts; from here on a compile means a guard failed at run time: a bug to report.
+        self.compile.captured()
 
     def cleanup(self) -> None:
         super().cleanup()
-        self._sealed = False
+        self.compile.reset()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "compiler": self.compiler,
+            **self.compile.describe(),
+            "pieces": self.num_pieces,
+            "break_ops": self.num_breaks,
+        }

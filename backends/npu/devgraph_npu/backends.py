@@ -18,17 +18,18 @@ with the backend option ``host_update`` (``{"seq_lens": "actual_seq_kvlen"}``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from devgraph.errors import ConfigError, ReplayError
+from devgraph.inputs import StaticInput
+from devgraph.keys import GraphKey
 from devgraph.strategies import FullGraphBackend
 from devgraph.strategies.full import _FullEntry
 
 if TYPE_CHECKING:
-    from devgraph.runner import GraphRunner
     from devgraph_npu.platform import NpuPlatform
 
 __all__ = ["NpuFullGraphBackend"]
@@ -49,15 +50,17 @@ class NpuFullGraphBackend(FullGraphBackend):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._host_updates: tuple[tuple[str, str], ...] = ()
-        self._updatable: dict[int, bool] = {}
+        self._specs: dict[str, StaticInput] = {}
+        self._updatable: dict[GraphKey, bool] = {}
 
     @property
     def host_updates(self) -> Mapping[str, str]:
         """Host-side input name -> op keyword updated before each replay."""
         return dict(self._host_updates)
 
-    def prepare(self, runner: GraphRunner) -> None:
-        host_inputs = [name for name, spec in runner.input_specs.items() if spec.host]
+    def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
+        self._specs = dict(inputs)
+        host_inputs = [name for name, spec in inputs.items() if spec.host]
         mapping = self.options.extra.get("host_update")
         if mapping is None:
             mapping = {name: name for name in host_inputs}
@@ -71,7 +74,7 @@ class NpuFullGraphBackend(FullGraphBackend):
         if unknown:
             raise ConfigError(
                 f"npu:full option host_update names {unknown}, which are not host-side inputs of the "
-                f"{runner.phase} runner (host-side: {host_inputs or 'none'}); declare them as "
+                f"{self.phase} runner (host-side: {host_inputs or 'none'}); declare them as "
                 "StaticInput(..., host=True)"
             )
         if mapping and not self.platform.supports_host_update():
@@ -81,7 +84,7 @@ class NpuFullGraphBackend(FullGraphBackend):
             )
         self._host_updates = tuple(mapping.items())
 
-    def _capture(self, key: int, forward_fn: Callable[[], Any]) -> _FullEntry:
+    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> _FullEntry:
         entry = super()._capture(key, forward_fn)
         if self._host_updates:
             records = self.platform.update_records(entry.graph)
@@ -89,7 +92,7 @@ class NpuFullGraphBackend(FullGraphBackend):
             updatable = records is None or any(keywords & rec for rec in records)
             if not updatable:
                 logger.warning(
-                    "npu:full size %d: host-side inputs %s were declared but the capture recorded no op "
+                    "npu:full %s: host-side inputs %s were declared but the capture recorded no op "
                     "called with those keywords (recorded ops: %d); NPUGraph.update has nothing to re-issue, "
                     "so attention will replay with its capture-time lengths. Pass the lengths to the "
                     "attention op as keyword arguments (e.g. actual_seq_lengths_kv=...) and use an op "
@@ -101,9 +104,9 @@ class NpuFullGraphBackend(FullGraphBackend):
             self._updatable[key] = updatable
         return entry
 
-    def host_update_input(self, key: int, static_inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """The ``cpu_update_input`` entry for a replay of ``key`` rows: each host buffer's first ``key`` "
-        "rows."""
+    def host_update_input(self, key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The ``cpu_update_input`` entry for a replay of ``key``: each host buffer's rows for the key
+        (real rows, then the padding fill), as Python lists."""
         update: dict[str, Any] = {}
         for name, keyword in self._host_updates:
             buf = static_inputs[name]
@@ -112,10 +115,12 @@ class NpuFullGraphBackend(FullGraphBackend):
                     f"host-side input {name!r} is on {buf.device}; NPUGraph.update reads host memory "
                     "(declare it StaticInput(..., host=True))"
                 )
-            update[keyword] = buf[:key].tolist()
+            spec = self._specs.get(name)
+            rows = spec.rows(key.size(spec.axis)) if spec is not None else key.tokens
+            update[keyword] = buf[:rows].tolist()
         return update
 
-    def replay(self, key: int, static_inputs: Mapping[str, torch.Tensor]) -> Any:
+    def replay(self, key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> Any:
         entry = self._entries.get(key)
         if entry is not None and self._host_updates and self._updatable.get(key, True):
             update = self.host_update_input(key, static_inputs)
@@ -123,7 +128,7 @@ class NpuFullGraphBackend(FullGraphBackend):
                 self.platform.update_graph(entry.graph, [update])
             except Exception as exc:
                 raise ReplayError(
-                    f"NPUGraph.update of the graph for size {key} with host-side inputs {sorted(update)} "
+                    f"NPUGraph.update of the graph for {key} with host-side inputs {sorted(update)} "
                     f"failed: {type(exc).__name__}: {exc}"
                 ) from exc
         return super().replay(key, static_inputs)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from devgraph.errors import BackendUnavailableError, CaptureError
+from devgraph.keys import GraphKey
 from devgraph.platform import Availability, GraphPlatform
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 
@@ -34,14 +35,14 @@ class _CaptureStreamGuard:
     platform: GraphPlatform
     _stream: Any
 
-    def capture_one(self, key: int, forward_fn: Callable[[], Any]) -> Any:
+    def capture_one(self, key: GraphKey, forward_fn: Callable[[], Any]) -> Any:
         current = self.platform.current_stream()
         if self._stream is not None and current != self._stream:
             raise CaptureError(
-                f"size {key}: capture must run on the capture stream of capture_session() "
+                f"{key}: capture must run on the capture stream of capture_session() "
                 f"({self._stream}), where the warm-up ran, not on {current}: hipBLASLt creates handles "
                 "lazily per stream, and creating one during capture fails",
-                size=key,
+                size=key.tokens,
             )
         return super().capture_one(key, forward_fn)  # type: ignore[misc]
 

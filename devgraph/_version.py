@@ -1,0 +1,3 @@
+"""The version of the devgraph distribution (a leaf module: anything may import it)."""
+
+__version__ = "0.2.0"

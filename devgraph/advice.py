@@ -1,0 +1,128 @@
+"""What to do about a failed capture, by cause.
+
+One table, not the same three suggestions for every failure: a break op that returns a view is fixed in
+the op, not by lowering sizes; an out-of-memory capture is fixed by capturing less, not by moving an op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from devgraph.errors import CaptureError, RecompileError
+
+__all__ = ["Cause", "diagnose"]
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A recognised failure: a short name (for tests and logs) and the advice that applies to it."""
+
+    name: str
+    advice: str
+
+
+def _text(exc: BaseException) -> str:
+    return str(exc).lower()
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in _text(exc)
+
+
+def _is_aliasing_break(exc: BaseException) -> bool:
+    text = _text(exc)
+    return "may not alias any inputs" in text or "must not also be an input to this custom operator" in text
+
+
+def _is_dynamo(exc: BaseException) -> bool:
+    module = type(exc).__module__ or ""
+    return module.startswith("torch._dynamo") or "torch.compile cannot trace" in _text(exc)
+
+
+def _is_host_sync(exc: BaseException) -> bool:
+    if isinstance(exc, CaptureError) and exc.op is not None:
+        return True
+    text = _text(exc)
+    return any(
+        needle in text
+        for needle in (
+            "syncs with the host",
+            "data-dependent output shape",
+            "operation not permitted when stream is capturing",
+            "streamcaptureunsupported",
+            "stream is capturing",
+        )
+    )
+
+
+def _oom(phase: str, max_size: int) -> str:
+    return (
+        f"capture fewer or smaller sizes (max_size is {max_size}: pass a lower max_size or an explicit "
+        "sizes list), leave more device memory free (a smaller KV cache), or disable graphs for this phase "
+        f"with --device-graph-mode '{phase}=disabled'"
+    )
+
+
+def _aliasing(phase: str, max_size: int) -> str:
+    return (
+        "a @devgraph.graph_break op returned a view of one of its inputs; break ops must return new "
+        "tensors (return out.clone() or build the result with a new tensor). Changing sizes or modes "
+        "does not help"
+    )
+
+
+def _dynamo(phase: str, max_size: int) -> str:
+    return (
+        "torch.compile could not trace the forward as one graph: move the untraceable code into a "
+        f"@devgraph.graph_break op, or use a mode that does not compile (--device-graph-mode "
+        f"'{phase}=breakable', or drop the 'compiler' option)"
+    )
+
+
+def _host_sync(phase: str, max_size: int) -> str:
+    return (
+        "remove host reads (.item(), .tolist(), .cpu(), bool(tensor), printing) and data-dependent shapes "
+        "(nonzero, boolean-mask indexing) from the captured forward; read per-step host values from the "
+        "forward context, or wrap the op in a @devgraph.graph_break op and use --device-graph-mode "
+        f"'{phase}=breakable' so it runs eagerly between graph segments"
+    )
+
+
+def _recompile(phase: str, max_size: int) -> str:
+    return (
+        "keep every input in the runner's static buffers (same dtype, device and rank each step) and keep "
+        "Python values the forward branches on fixed; run with TORCH_LOGS=recompiles to see the guard"
+    )
+
+
+def _generic(phase: str, max_size: int) -> str:
+    return (
+        f"run the forward eagerly on the same inputs to see whether it fails outside capture too; if only "
+        f"capture fails, switch this phase to another mode (--device-graph-mode '{phase}=breakable' or "
+        f"'{phase}=disabled') or move the failing op into a @devgraph.graph_break op"
+    )
+
+
+_TABLE: tuple[tuple[str, Callable[[BaseException], bool], Callable[[str, int], str]], ...] = (
+    ("out_of_memory", _is_oom, _oom),
+    ("break_op_returns_view", _is_aliasing_break, _aliasing),
+    ("recompile", lambda exc: isinstance(exc, RecompileError), _recompile),
+    ("torch_compile", _is_dynamo, _dynamo),
+    ("host_sync", _is_host_sync, _host_sync),
+)
+
+
+def diagnose(exc: BaseException, *, phase: str, max_size: int) -> Cause:
+    """The cause of a capture failure and the advice that applies to it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:  # look through wrapped errors too
+        seen.add(id(current))
+        for name, matches, advice in _TABLE:
+            if matches(current):
+                return Cause(name, advice(phase, max_size))
+        current = current.__cause__ or current.__context__
+    return Cause("unknown", _generic(phase, max_size))

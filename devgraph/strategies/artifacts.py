@@ -1,0 +1,196 @@
+"""Warm restarts: compiled artifacts kept on disk between processes, checked before they are used.
+
+A compiling strategy (``full`` or ``tc_piecewise`` with a compiler) given ``cache_dir`` loads the
+artifacts of an earlier process before its first compile and saves them after capture, through torch's
+own cache-artifact API (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``: inductor's FX
+graph cache, AOTAutograd cache and autotuning results). dynamo still traces the forward; inductor's code
+generation, the expensive part, is skipped.
+
+Each file carries a header with a *fingerprint* (torch, triton and devgraph versions, the device, the
+strategy and compiler options, the forward's code, the model's parameter shapes and dtypes, the static
+inputs and the keys) and a SHA-256 of its payload. A file whose fingerprint differs (the model or the
+sizes changed: *stale*) or whose payload does not match its hash or does not load (*corrupt*) is never
+used; it is rebuilt by this process. The outcome is in ``inspect()`` (``artifact_cache``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from devgraph._version import __version__
+from devgraph.errors import ConfigError
+
+__all__ = ["ArtifactCache", "fingerprint"]
+
+logger = logging.getLogger("devgraph.compile")
+
+_MAGIC = b"devgraph-compile-cache\n"
+_FORMAT = 1
+
+
+def _code_digest(fn: Callable[..., Any]) -> str:
+    """A hash of the bytecode and constants of ``fn`` and, for a bound method of an ``nn.Module``, of
+    every module class's forward in the model (what dynamo traces)."""
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+
+    def add(code: Any) -> None:
+        if code is None or id(code) in seen:
+            return
+        seen.add(id(code))
+        digest.update(code.co_code)
+        digest.update(repr(code.co_names).encode())
+        for const in code.co_consts:
+            if hasattr(const, "co_code"):
+                add(const)
+            else:
+                digest.update(repr(const).encode())
+
+    add(getattr(fn, "__code__", None))
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        for module in owner.modules():
+            for klass in type(module).__mro__:
+                for attr in vars(klass).values():
+                    add(getattr(attr, "__code__", None))
+    return digest.hexdigest()
+
+
+def _model_digest(fn: Callable[..., Any]) -> str:
+    owner = getattr(fn, "__self__", None)
+    if not isinstance(owner, torch.nn.Module):
+        return ""
+    parts = [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in owner.named_parameters()]
+    parts += [f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in owner.named_buffers()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _device_name(device_type: str) -> str:
+    if device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} sm_{major}{minor}"
+    return device_type
+
+
+def fingerprint(
+    forward: Callable[..., Any],
+    device_type: str,
+    options: dict[str, Any],
+    inputs: Iterable[str],
+    keys: Iterable[str],
+) -> dict[str, Any]:
+    """Everything that, if it changed, makes compiled artifacts invalid for this runner."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "devgraph": __version__,
+        "device": _device_name(device_type),
+        "options": options,
+        "forward": getattr(forward, "__qualname__", repr(forward)),
+        "code": _code_digest(forward),
+        "model": _model_digest(forward),
+        "inputs": sorted(inputs),
+        "keys": sorted(keys),
+    }
+
+
+class ArtifactCache:
+    """One file of compiled artifacts for one runner's forward in ``directory``."""
+
+    def __init__(self, directory: str, forward: Callable[..., Any], print_: dict[str, Any]) -> None:
+        if not isinstance(directory, str) or not directory:
+            raise ConfigError(f"cache_dir must be a directory path, got {directory!r}")
+        name = getattr(forward, "__qualname__", "forward").replace("<", "").replace(">", "")
+        options = print_["options"]
+        suffix = f"{options['strategy']}-{options['compiler']}.dgcache"
+        self.path = Path(directory).expanduser() / f"{name}.{suffix}"
+        self.fingerprint = print_
+        self._key = hashlib.sha256(json.dumps(print_, sort_keys=True, default=str).encode()).hexdigest()
+        self.status = "unused"  # hit | miss | stale | corrupt | saved | unused
+
+    def load(self) -> str:
+        """Load the artifacts if the file matches this runner; returns and records the outcome."""
+        try:
+            blob = self.path.read_bytes()
+        except FileNotFoundError:
+            self.status = "miss"
+            return self.status
+        except OSError as exc:
+            logger.warning(
+                "devgraph: cannot read compile cache %s (%s); compiling from scratch", self.path, exc
+            )
+            self.status = "corrupt"
+            return self.status
+        self.status = self._load_blob(blob)
+        if self.status != "hit":
+            logger.warning(
+                "devgraph: compile cache %s is %s; it is not used and will be rebuilt", self.path, self.status
+            )
+        return self.status
+
+    def _load_blob(self, blob: bytes) -> str:
+        if not blob.startswith(_MAGIC):
+            return "corrupt"
+        header_end = blob.find(b"\n", len(_MAGIC))
+        if header_end < 0:
+            return "corrupt"
+        try:
+            header = json.loads(blob[len(_MAGIC) : header_end])
+        except ValueError:
+            return "corrupt"
+        payload = blob[header_end + 1 :]
+        if not isinstance(header, dict) or header.get("format") != _FORMAT:
+            return "corrupt"
+        if header.get("key") != self._key:
+            return "stale"
+        if header.get("sha256") != hashlib.sha256(payload).hexdigest() or header.get("bytes") != len(payload):
+            return "corrupt"
+        try:
+            torch.compiler.load_cache_artifacts(payload)
+        except Exception as exc:  # torch rejected the payload (another build, a truncated write)
+            logger.debug("load_cache_artifacts failed: %s", exc)
+            return "corrupt"
+        return "hit"
+
+    def save(self) -> None:
+        """Write this process's compiled artifacts (atomically: a reader never sees half a file)."""
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return
+        payload = saved[0]
+        header = {
+            "format": _FORMAT,
+            "key": self._key,
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "bytes": len(payload),
+            "fingerprint": self.fingerprint,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".dgcache-")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(_MAGIC + json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.status = "saved" if self.status != "hit" else "hit"
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": str(self.path), "status": self.status}

@@ -1,0 +1,217 @@
+"""``torch.compile`` as the graph strategies use it: compile once for every size, count compiles, report a
+recompile after capture, and leave nothing behind when a runner closes.
+
+* **One compile for every size.** The forward is compiled with a dynamic leading dimension, with
+  ``backed_size_oblivious`` on while dynamo traces (a size of 1 gets no specialised second compile) and
+  duck shaping off (a size equal to a weight's width, 4096 tokens against a hidden size of 4096, gets no
+  guard of its own); each inductor compile of a real model costs tens of seconds.
+* **A code object per backend.** dynamo keeps its cache entries on the code object it compiled and stops
+  at a recompile limit (8) per code object. Compiling a trampoline whose code object belongs to this
+  backend alone (it inlines the user's forward) means a closed runner's entries die with it, and the ninth
+  runner over one forward compiles like the first.
+* **Model floats stay constants** (``specialize_float``): an engine's hyperparameters do not change
+  between steps, and a float turned into a graph input would be read on the host by ops taking floats.
+* **Recompiles after capture** are bugs (graphs are bypassed for those shapes): counted, logged, or
+  raised as :class:`~devgraph.errors.RecompileError` with ``on_recompile="raise"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from devgraph.errors import CaptureError, ConfigError, RecompileError
+from devgraph.modes import Compiler, shorten
+from devgraph.platform import Availability, GraphPlatform
+
+__all__ = [
+    "CompileSession",
+    "CompileTracker",
+    "compile_forward",
+    "dynamo_availability",
+    "check_compiler",
+    "inductor_compile",
+]
+
+logger = logging.getLogger("devgraph.compile")
+
+
+def check_compiler(compiler: str | None, strategy: str) -> str | None:
+    """``compiler`` if it is a known compiler name (``None`` passes), else :class:`ConfigError`."""
+    if compiler is None:
+        return None
+    try:
+        return Compiler(compiler).value
+    except ValueError:
+        accepted = ", ".join(c.value for c in Compiler)
+        raise ConfigError(
+            f"{strategy} compiler {shorten(compiler)} is unknown; accepted: {accepted}"
+        ) from None
+
+
+def dynamo_availability(platform: GraphPlatform) -> Availability:
+    """The platform's availability, and whether torch.compile can run here at all."""
+    base = platform.availability()
+    if not base:
+        return base
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # e.g. a Python version this torch's dynamo does not support
+        return Availability(False, f"torch.compile is unavailable here ({exc}); use 'full' or 'breakable'")
+    return Availability(True)
+
+
+class CompileTracker:
+    """Counts compiles; after :meth:`seal` (capture finished) a compile is a recompile to report."""
+
+    def __init__(self, strategy: str, on_recompile: str) -> None:
+        if on_recompile not in ("warn", "raise"):
+            raise ConfigError(f"on_recompile must be 'warn' or 'raise', got {shorten(on_recompile)}")
+        self.strategy = strategy
+        self.on_recompile = on_recompile
+        self.compiles = 0
+        self.recompiles = 0
+        self.sealed = False
+
+    def compiled(self) -> None:
+        """Called by the dynamo backend at every compile."""
+        self.compiles += 1
+        if not self.sealed:
+            return
+        self.recompiles += 1
+        message = (
+            f"{self.strategy} recompiled after capture (recompile #{self.recompiles}): the captured graphs "
+            "are bypassed for the shapes that triggered it. Usually an input changed dtype, device or "
+            "rank, or a Python value the forward branches on changed; run with TORCH_LOGS=recompiles to "
+            "see the failing guard, and keep inputs in the runner's static buffers"
+        )
+        if self.on_recompile == "raise":
+            raise RecompileError(message)
+        logger.warning(message)
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def unseal(self) -> None:
+        self.sealed = False
+
+
+def _trampoline(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    # A code object of its own: dynamo's cache entries live on it and go away with this backend.
+    call.__code__ = call.__code__.replace()
+    return call
+
+
+def compile_forward(
+    forward: Callable[..., Any], dynamo_backend: Callable[..., Any], strategy: str
+) -> Callable[..., Any]:
+    """``forward`` compiled once with a dynamic leading dimension through ``dynamo_backend``.
+
+    The returned callable turns dynamo's errors into devgraph's: a forward dynamo cannot trace whole
+    raises :class:`CaptureError` with the fix; a :class:`RecompileError` from the backend comes back as is.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    compiled = torch.compile(_trampoline(forward), backend=dynamo_backend, dynamic=True, fullgraph=True)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            # Python floats of the model (an RMSNorm eps, an attention scale) stay constants: as graph
+            # inputs they would reach ops that take a float through a host read.
+            with (
+                fx_config.patch(backed_size_oblivious=True, use_duck_shape=False),
+                torch._dynamo.config.patch(specialize_float=True),
+            ):
+                return compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as exc:
+            first_line = str(exc).strip().splitlines()[0]
+            raise CaptureError(
+                f"torch.compile cannot trace the forward as one graph ({first_line}); {strategy} with a "
+                "compiler needs a forward without dynamo graph breaks: move the offending code into a "
+                "@devgraph.graph_break op, or use the 'breakable' mode"
+            ) from exc
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            # Dynamo wraps whatever our backend raises; hand devgraph's own error back unwrapped.
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, RecompileError):
+                raise inner from None
+            raise
+
+    return call
+
+
+def inductor_compile(
+    module: torch.fx.GraphModule, example: list[Any], mode: str | None
+) -> Callable[..., Any]:
+    """Compile ``module`` with inductor in ``mode`` (its CUDA graphs off: devgraph captures its own)."""
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
+    patches["triton.cudagraphs"] = False
+    return compile_fx(module, example, config_patches=patches)
+
+
+class CompileSession:
+    """The compile side of a compiling strategy: the compiled forward, its counters, its artifact cache."""
+
+    def __init__(self, strategy: str, options: Any, platform: GraphPlatform) -> None:
+        self.strategy = strategy
+        self.options = options
+        self.platform = platform
+        self.tracker = CompileTracker(strategy, options.on_recompile)
+        self.cache: Any = None
+        self._forward: Callable[..., Any] | None = None
+        self._compiled: Callable[..., Any] | None = None
+
+    def wrap(self, forward: Callable[..., Any], dynamo_backend: Callable[..., Any]) -> Callable[..., Any]:
+        """The compiled ``forward`` (compiling happens at its first call). A backend handed on to a runner
+        with another forward compiles that one, with fresh counters and no cache of the old one's."""
+        if self._compiled is None or self._forward is not forward:
+            self._forward = forward
+            self._compiled = compile_forward(forward, dynamo_backend, self.strategy)
+            self.tracker = CompileTracker(self.strategy, self.options.on_recompile)
+            self.cache = None
+        return self._compiled
+
+    def prepare(self, inputs: Any, keys: Any, compiler: str | None) -> None:
+        """Before the first compile: load the artifacts of an earlier process when ``cache_dir`` is set."""
+        if not self.options.cache_dir or self._forward is None or self.cache is not None:
+            return
+        from devgraph.strategies.artifacts import ArtifactCache, fingerprint
+
+        options = {
+            "strategy": self.strategy,
+            "compiler": compiler,
+            "inductor_mode": self.options.inductor_mode,
+        }
+        specs = [
+            f"{name}:{spec.dtype}:{spec.shape}:{spec.axis}:{spec.extra_rows}" for name, spec in inputs.items()
+        ]
+        print_ = fingerprint(self._forward, self.platform.device_type, options, specs, [str(k) for k in keys])
+        self.cache = ArtifactCache(self.options.cache_dir, self._forward, print_)
+        self.cache.load()
+
+    def captured(self) -> None:
+        """After a capture session: save new artifacts, and treat any later compile as a recompile."""
+        if self.cache is not None and self.cache.status in ("miss", "stale", "corrupt"):
+            try:
+                self.cache.save()
+            except OSError as exc:
+                logger.warning("devgraph: could not write compile cache %s: %s", self.cache.path, exc)
+        self.tracker.seal()
+
+    def reset(self) -> None:
+        self.tracker.unseal()
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"compiles": self.tracker.compiles, "recompiles": self.tracker.recompiles}
+        if self.cache is not None:
+            out["artifact_cache"] = self.cache.describe()
+        return out

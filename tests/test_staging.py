@@ -1,0 +1,277 @@
+"""One validation on every path, inputs never changed by the forward, StaticInput fills checked up front.
+
+Every path of ``run()``/``verify()`` (a replayed graph, eager past the largest size, eager before
+``capture()``, ``disabled``) validates a step the same way, before anything is written, and raises the
+same :class:`InputError`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from devgraph import ConfigError, GraphRunner, InputError, StaticInput
+from devgraph.keys import GraphKey
+from devgraph.staging import StaticBuffers
+
+SIZES = [1, 2, 4]
+INPUTS = {"x": StaticInput(torch.float32, (4,), fill=0.0), "idx": StaticInput(torch.int64, fill=7)}
+W = torch.arange(12, dtype=torch.float32).reshape(4, 3) / 10
+
+
+def forward(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x @ W + idx[:, None].float()
+
+
+def good(n: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.ones(n, 4), "idx": torch.arange(n) % 5}
+
+
+def runner_on(path: str, fn=forward) -> GraphRunner:
+    """A runner whose step of 3 rows (or 6 for ``past_largest``) takes ``path``."""
+    runner = GraphRunner(
+        fn,
+        phase="decode",
+        inputs=INPUTS,
+        device="cpu",
+        mode="disabled" if path == "disabled" else "full",
+        sizes=SIZES,
+    )
+    if path != "before_capture":
+        runner.capture()
+    return runner
+
+
+PATHS = ["graph", "past_largest", "before_capture", "disabled"]
+N_FOR = {"graph": 3, "past_largest": 6, "before_capture": 3, "disabled": 3}
+
+BAD_STEPS = [
+    # (what, n, inputs for a step of N rows -> kwargs, fragment of the message)
+    (
+        "wrong row count",
+        "N",
+        lambda n: {"x": torch.ones(n + 1, 4), "idx": torch.zeros(n, dtype=torch.int64)},
+        "shape",
+    ),
+    ("n < 0", -1, good, "must be >= 0"),
+    ("n = 0", 0, good, "n=0"),
+    ("float n", 2.5, good, "must be a Python int"),
+    ("str n", "2", good, "must be a Python int"),
+    ("bool n", True, good, "must be a Python int"),
+    ("tensor n", torch.tensor(2), good, "must be a Python int"),
+    (
+        "0-dim input",
+        None,
+        lambda n: {"x": torch.tensor(1.0), "idx": torch.zeros(n, dtype=torch.int64)},
+        "0-dim",
+    ),
+    (
+        "list input",
+        "N",
+        lambda n: {"x": [[0.0] * 4] * n, "idx": torch.zeros(n, dtype=torch.int64)},
+        "must be a torch.Tensor",
+    ),
+    (
+        "wrong dtype",
+        "N",
+        lambda n: {"x": torch.ones(n, 4, dtype=torch.float64), "idx": torch.zeros(n, dtype=torch.int64)},
+        "torch.float64",
+    ),
+    (
+        "wrong device",
+        "N",
+        lambda n: {"x": torch.ones(n, 4, device="meta"), "idx": torch.zeros(n, dtype=torch.int64)},
+        "meta",
+    ),
+    (
+        "wrong row shape",
+        "N",
+        lambda n: {"x": torch.ones(n, 5), "idx": torch.zeros(n, dtype=torch.int64)},
+        "shape",
+    ),
+    ("missing input", "N", lambda n: {"x": torch.ones(n, 4)}, "missing ['idx']"),
+    ("extra input", "N", lambda n: {**good(n), "y": torch.ones(n)}, "unexpected ['y']"),
+]
+
+
+def _message(runner: GraphRunner, n, inputs) -> str:
+    before = {k: v.clone() for k, v in runner.static_inputs.items()}
+    with pytest.raises(InputError) as info:
+        runner.run(n, **inputs)
+    for name, value in runner.static_inputs.items():
+        assert torch.equal(value, before[name]), f"{name} was written before the step was refused"
+    return str(info.value)
+
+
+FORWARD_CALLS: list[int] = []
+
+
+def counting(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    FORWARD_CALLS.append(x.shape[0])
+    return forward(x, idx)
+
+
+@pytest.fixture(scope="module")
+def runners():
+    """One runner per path, shared by the bad-step cases (a refused step changes nothing)."""
+    built = {path: runner_on(path, counting) for path in PATHS}
+    yield built
+    for runner in built.values():
+        runner.close()
+
+
+@pytest.mark.parametrize(("what", "n", "make", "fragment"), BAD_STEPS, ids=[b[0] for b in BAD_STEPS])
+def test_bad_step_raises_the_same_input_error_on_every_path(runners, what, n, make, fragment):
+    messages = {}
+    for path, runner in runners.items():
+        rows = N_FOR[path]
+        FORWARD_CALLS.clear()
+        messages[path] = _message(runner, rows if n == "N" else n, make(rows))
+        assert FORWARD_CALLS == [], f"{what}: the forward ran on the {path} path"
+    assert all(fragment in m for m in messages.values()), messages
+    if n != "N":  # the same step on every path: the same words
+        assert len(set(messages.values())) == 1, messages
+    else:  # the step differs in size only: the same message with the size swapped
+        normalised = {re.sub(r"\d+", "#", m) for m in messages.values()}
+        assert len(normalised) == 1, messages
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_verify_without_inputs_is_an_input_error(path):
+    runner = runner_on(path)
+    with pytest.raises(InputError, match=r"missing \['idx', 'x'\]"):
+        runner.verify()
+    with pytest.raises(InputError, match="must be a Python int"):
+        runner.verify(2.5, **good(3))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_forward_mutating_its_inputs_never_reaches_the_caller(path):
+    def mutating(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        idx.add_(1)
+        return x + idx[:, None]
+
+    runner = runner_on(path, mutating)
+    n = N_FOR[path]
+    inputs = good(n)
+    kept = {k: v.clone() for k, v in inputs.items()}
+    out = runner.run(**inputs)
+    runner.verify(**inputs)
+    for name, value in inputs.items():
+        assert torch.equal(value, kept[name]), f"{path}: the forward's in-place update reached {name}"
+    torch.testing.assert_close(out, kept["x"] * 2 + (kept["idx"] + 1)[:, None])
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 6])
+def test_disabled_gives_what_full_gives(n):
+    def mutating(x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x.add_(1)
+        return x @ W, {"idx": idx * 2, "w": W.sum(0)}
+
+    full, disabled = runner_on("graph", mutating), runner_on("disabled", mutating)
+    inputs = good(n)
+    kept = {k: v.clone() for k, v in inputs.items()}
+    a, b = full.run(**inputs), disabled.run(**inputs)
+    assert type(a) is type(b) and type(a[1]) is type(b[1]) and a[1].keys() == b[1].keys()
+    torch.testing.assert_close(a, b)
+    assert all(torch.equal(inputs[k], kept[k]) for k in inputs)
+
+
+def test_n_defaults_to_the_rows_of_the_first_tokens_input():
+    runner = runner_on("graph")
+    assert runner.run(**good(3)).shape == (3, 3)
+    with pytest.raises(InputError, match="shape"):
+        runner.run(2, **good(3))  # n given and disagreeing with the rows
+
+
+def test_padding_rows_get_each_inputs_fill_and_real_rows_the_inputs():
+    runner = runner_on("graph")
+    inputs = good(3)
+    runner.run(**inputs)
+    assert torch.equal(runner.static_inputs["x"][:3], inputs["x"])
+    assert torch.equal(runner.static_inputs["idx"][:3], inputs["idx"])
+    assert torch.all(runner.static_inputs["x"][3:4] == 0) and torch.all(runner.static_inputs["idx"][3:4] == 7)
+
+
+def test_edge_fill_repeats_the_last_real_row_and_zero_rows_are_zeroed():
+    specs = {"cu": StaticInput(torch.int32, axis="requests", extra_rows=1, fill="edge")}
+    buffers = StaticBuffers(specs, {"tokens": 8, "requests": 4}, torch.device("cpu"))
+    assert buffers.buffers["cu"].shape == (5,)
+    buffers.stage(
+        {"requests": 2}, GraphKey.of(8, {"requests": 4}), {"cu": torch.tensor([0, 3, 5], dtype=torch.int32)}
+    )
+    assert buffers.buffers["cu"].tolist() == [0, 3, 5, 5, 5]
+    buffers.reset()
+    assert buffers.buffers["cu"].tolist() == [0, 0, 0, 0, 0]
+
+
+# -- StaticInput fills and declarations ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("dtype", "fill", "fragment"),
+    [
+        (torch.uint8, -1, "outside torch.uint8's range"),
+        (torch.int8, 128, "outside torch.int8's range"),
+        (torch.int64, 1.5, "not an integer"),
+        (torch.int32, float("nan"), "not an integer"),
+        (torch.bool, 2, "does not fit dtype torch.bool"),
+        (torch.bool, 0.5, "does not fit dtype torch.bool"),
+        (torch.float16, 1e6, "overflows torch.float16"),
+        (torch.float32, "zero", "must be a number"),
+        (torch.int64, None, "must be a number"),
+    ],
+)
+def test_fill_that_would_change_value_is_refused(dtype, fill, fragment):
+    with pytest.raises(ConfigError, match="StaticInput fill") as info:
+        StaticInput(dtype, fill=fill)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"dtype": "float32"}, "dtype must be a torch.dtype"),
+        ({"dtype": torch.float32, "shape": (-1,)}, "shape must be a tuple"),
+        ({"dtype": torch.float32, "shape": (2.0,)}, "shape must be a tuple"),
+        ({"dtype": torch.float32, "shape": "ab"}, "shape must be a tuple"),
+        ({"dtype": torch.float32, "host": 1}, "host must be True or False"),
+        ({"dtype": torch.float32, "axis": "two words"}, "axis must be a name"),
+        ({"dtype": torch.float32, "extra_rows": -1}, "extra_rows must be an int >= 0"),
+    ],
+)
+def test_bad_declaration_is_a_config_error(kwargs, fragment):
+    with pytest.raises(ConfigError, match="StaticInput") as info:
+        StaticInput(**kwargs)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fill"),
+    [
+        (torch.uint8, 255),
+        (torch.int64, 2.0),
+        (torch.bool, True),
+        (torch.bool, 0),
+        (torch.float16, 0.1),
+        (torch.float32, float("-inf")),
+        (torch.int32, "edge"),
+    ],
+)
+def test_representable_fills_are_accepted_and_land_unchanged(dtype, fill):
+    spec = StaticInput(dtype, fill=fill)
+    buffers = StaticBuffers({"a": spec}, {"tokens": 4}, torch.device("cpu"))
+    buffers.stage({"tokens": 1}, GraphKey(4), {"a": torch.ones(1, dtype=dtype)})
+    pad = buffers.buffers["a"][1:]
+    expected = torch.ones(3, dtype=dtype) if fill == "edge" else torch.full((3,), fill, dtype=dtype)
+    assert torch.equal(pad, expected)
+
+
+def test_input_declarations_are_checked_by_the_runner():
+    with pytest.raises(ConfigError, match="must be a devgraph.StaticInput"):
+        GraphRunner(forward, phase="decode", inputs={"x": torch.float32}, device="cpu", mode="full")
+    with pytest.raises(ConfigError, match="run\\(\\)'s own keywords"):
+        GraphRunner(forward, phase="decode", inputs={"copy": StaticInput(torch.float32)}, device="cpu")
+    with pytest.raises(ConfigError, match="at least one input"):
+        GraphRunner(forward, phase="decode", inputs={}, device="cpu")
