@@ -71,7 +71,14 @@ class GraphStrategy(DeviceGraphBackend):
             self._pool = self._shared_pool
         else:
             self._pool = self.platform.graph_pool_handle()
-        entry = self._capture(key, forward_fn)
+        try:
+            entry = self._capture(key, forward_fn)
+        except BaseException:
+            if not self._shared or not self._entries:
+                # A pool whose first capture failed cannot be captured into again on CUDA (the allocator
+                # asserts): start the next capture in a fresh one.
+                self._shared_pool = None
+            raise
         self._entries[key] = entry
         if not self._shared:
             self._key_pools[key] = self._pool

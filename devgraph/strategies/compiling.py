@@ -1,7 +1,8 @@
 """``torch.compile`` as the graph strategies use it: compile once for every size, count compiles, report a
 recompile after capture, and leave nothing behind when a runner closes.
 
-* **One compile for every size.** The forward is compiled with a dynamic leading dimension, with
+* **One compile for every size.** The forward is compiled with the leading dimension of its tensor
+  arguments dynamic (and nothing else), with
   ``backed_size_oblivious`` on while dynamo traces (a size of 1 gets no specialised second compile) and
   duck shaping off (a size equal to a weight's width, 4096 tokens against a hidden size of 4096, gets no
   guard of its own); each inductor compile of a real model costs tens of seconds.
@@ -118,9 +119,15 @@ def compile_forward(
     """
     import torch.fx.experimental._config as fx_config
 
-    compiled = torch.compile(_trampoline(forward), backend=dynamo_backend, dynamic=True, fullgraph=True)
+    compiled = torch.compile(_trampoline(forward), backend=dynamo_backend, dynamic=None, fullgraph=True)
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        # Only the rows of the step's inputs vary between keys: the leading dimension of every tensor
+        # argument is dynamic from the first trace, and nothing else is (a size-1 weight or mask in the
+        # model must keep broadcasting as a constant 1).
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim():
+                torch._dynamo.maybe_mark_dynamic(value, 0)
         try:
             # Python floats of the model (an RMSNorm eps, an attention scale) stay constants: as graph
             # inputs they would reach ops that take a float through a host read.

@@ -13,9 +13,11 @@ From pytest (the plug-in is registered through the ``pytest11`` entry point of d
     pytest --devgraph-backend cpu:full --devgraph-backend cpu:breakable
 
 Each check (see :data:`CHECKS`) builds its own runner with a fresh instance of the backend on the
-platform's default device: static output addresses, padding rows, stale inputs, the eager fallback,
-break ops and the forward context, ``has_shape``, ``cleanup``, capture errors, ``runtime_session``
-flags and host-side inputs. The target is a registered ``PLATFORM:NAME``; plug-ins load as usual.
+platform's default device: static output addresses, padding rows, stale rows past the bucket, one
+execution per step, stale inputs, the eager fallback, break ops and the forward context, ``has_shape``,
+failed captures, ``release``/``cleanup``, capture errors, ``runtime_session`` flags, host-side inputs
+and ownership by one runner. The target is a registered ``PLATFORM:NAME``; plug-ins load as usual.
+docs/conformance.md says what each check proves and when a check may be skipped.
 """
 
 from __future__ import annotations

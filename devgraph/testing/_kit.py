@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -14,11 +13,13 @@ import torch
 
 from devgraph._trees import max_abs, max_abs_diff
 from devgraph.backend import BackendOptions, DeviceGraphBackend
-from devgraph.errors import BackendUnavailableError, ConfigError
+from devgraph.errors import BackendUnavailableError, CaptureError, ConfigError, RecompileError, ReplayError
+from devgraph.inputs import StaticInput
+from devgraph.keys import GraphKey
 from devgraph.phases import PHASES
 from devgraph.platform import GraphPlatform
 from devgraph.plugins import BackendSpec, Registry, get_registry
-from devgraph.runner import GraphRunner, StaticInput
+from devgraph.runner import GraphRunner
 
 __all__ = [
     "Check",
@@ -29,10 +30,13 @@ __all__ = [
     "KitContext",
     "KitOptions",
     "Target",
+    "detects_host_sync",
     "parse_target",
 ]
 
 Status = Literal["passed", "failed", "skipped", "error"]
+#: Errors a check's scenario only meets when the backend breaks its contract: reported as ``failed``.
+BACKEND_ERRORS = (CaptureError, ReplayError, RecompileError)
 BreakMode = Literal["auto", "eager", "captured"]
 
 
@@ -80,8 +84,8 @@ class KitOptions:
     * ``break_ops``: what break ops do at replay: ``eager`` (run between segments, reading the live
       forward context: ``breakable``, ``tc_piecewise``), ``captured`` (inside the graph: ``full``) or
       ``auto`` (from the backend's strategy class, else from what the backend is seen doing).
-    * ``require_sync_detection``: fail, instead of skip, the capture-error check on a platform that does
-      not notice a host sync during capture.
+    * ``require_sync_detection``: fail, instead of skip, the capture-error check on a platform that says
+      it cannot notice a host sync during capture (where it says it can, the check never skips).
     * ``exact_atol``: allowed difference between a replay and eager on the same padded batch (0: same
       kernels on the same shapes must agree bit for bit). ``rtol``: relative tolerance (of max |eager|)
       where shapes differ (padded graph vs unpadded eager).
@@ -226,13 +230,17 @@ class KitContext:
             torch.device(options.device) if options.device is not None else self.platform.default_device()
         )
         self._runners: list[GraphRunner] = []
+        self._backends: list[DeviceGraphBackend] = []
         self._compiles = self.spec.cls.wrap_forward is not DeviceGraphBackend.wrap_forward
 
     # -- building -----------------------------------------------------------------------------------
     def new_backend(self) -> DeviceGraphBackend:
-        """A fresh instance of the target backend (one backend serves one runner)."""
+        """A fresh instance of the target backend (one backend serves one live runner); its graphs are
+        released when the check ends."""
         options = BackendOptions(compiler=self.options.compiler, extra=dict(self.options.backend_options))
-        return self.spec.cls(self.platform, phase=self.phase, options=options)
+        backend = self.spec.cls(self.platform, phase=self.phase, options=options)
+        self._backends.append(backend)
+        return backend
 
     def runner(
         self,
@@ -243,7 +251,12 @@ class KitContext:
         backend: DeviceGraphBackend | None = None,
         **kwargs: Any,
     ) -> GraphRunner:
-        """A runner over ``forward`` with the target backend; closed when the check ends."""
+        """A runner over ``forward`` with the target backend; closed when the check ends.
+
+        The kit's steps carry one token per request in every phase (``verify``: ``tokens_per_request=1``).
+        """
+        if self.phase == "verify":
+            kwargs.setdefault("tokens_per_request", 1)
         runner = GraphRunner(
             forward,
             phase=self.phase,
@@ -260,6 +273,11 @@ class KitContext:
     @property
     def sizes(self) -> tuple[int, ...]:
         return self.options.sizes
+
+    @property
+    def detects_host_sync(self) -> bool:
+        """Whether the platform says a host sync during capture fails the capture."""
+        return detects_host_sync(self.platform)
 
     def break_mode(self, observed_replay_calls: int | None = None) -> Literal["eager", "captured"]:
         """What break ops do at replay for this backend (see :attr:`KitOptions.break_ops`)."""
@@ -304,11 +322,16 @@ class KitContext:
             with contextlib.suppress(Exception):
                 runner.close()
         self._runners.clear()
+        for backend in self._backends:
+            with contextlib.suppress(Exception):
+                backend.cleanup()
+        self._backends.clear()
         # Checks build fresh models each time; torch.compile caches per code object and guards on the
         # model instance, so compiled backends would hit dynamo's recompile limit across checks.
         if self._compiles:
             torch._dynamo.reset()
-        gc.collect()
+        # No gc.collect() here: every runner was closed and every backend cleaned up explicitly, and a full
+        # collection costs ~0.1 s per check (the cleanup check collects where it measures memory).
         with contextlib.suppress(Exception):
             self.platform.synchronize()
             self.platform.empty_cache()
@@ -328,14 +351,27 @@ def resolve_spec(registry: Registry, target: Target) -> BackendSpec:
     return spec
 
 
+def detects_host_sync(platform: GraphPlatform) -> bool:
+    """Whether ``platform`` says a host sync during capture fails the capture (``detects_host_sync``)."""
+    return bool(platform.detects_host_sync)
+
+
+@dataclass(frozen=True)
+class ReplayCall:
+    """One ``backend.replay`` call the runner made: the key and the static inputs it passed."""
+
+    key: GraphKey
+    static_inputs: Mapping[str, torch.Tensor]
+
+
 @contextlib.contextmanager
-def counting_replays(backend: DeviceGraphBackend) -> Iterator[list[Mapping[str, torch.Tensor]]]:
-    """Count (and keep the ``static_inputs`` of) every ``backend.replay`` call made inside the block."""
-    calls: list[Mapping[str, torch.Tensor]] = []
+def counting_replays(backend: DeviceGraphBackend) -> Iterator[list[ReplayCall]]:
+    """Record every ``backend.replay`` call made inside the block (as the runner calls it)."""
+    calls: list[ReplayCall] = []
     original = backend.replay
 
-    def replay(key: int, static_inputs: Mapping[str, torch.Tensor]) -> Any:
-        calls.append(static_inputs)
+    def replay(key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> Any:
+        calls.append(ReplayCall(key, static_inputs))
         return original(key, static_inputs)
 
     backend.replay = replay  # type: ignore[method-assign]
@@ -370,6 +406,12 @@ def run_one(
         status, detail = "skipped", str(exc)
     except CheckFailed as exc:
         status, detail = "failed", str(exc)
+    except BACKEND_ERRORS as exc:  # raised by the backend in a scenario a conforming backend handles
+        status = "failed"
+        detail = (
+            f"the backend raised {type(exc).__name__} where a conforming backend does not: {exc}\n"
+            f"{''.join(traceback.format_exception(exc))}"
+        )
     except Exception as exc:
         status = "error"
         detail = f"{type(exc).__name__}: {exc}\n{''.join(traceback.format_exception(exc))}"

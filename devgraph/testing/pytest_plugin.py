@@ -75,6 +75,37 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{MARKER}: a check of the devgraph conformance kit (--devgraph-backend)"
     )
+    if _targets(config):
+        _check_options(config)
+
+
+def _check_options(config: pytest.Config) -> None:
+    """Bad kit options are usage errors, reported before collection (never an INTERNALERROR)."""
+    from devgraph.errors import ConfigError
+    from devgraph.modes import MODE_NAME_PATTERN, shorten
+    from devgraph.phases import check_phase
+    from devgraph.plugins import get_registry
+
+    registered = sorted(f"{platform}:{name}" for platform, name in get_registry().backends)
+    known = f"registered targets: {', '.join(registered) or 'none'} (`devgraph info` lists them)"
+    for target in _targets(config):
+        platform, sep, name = str(target).strip().partition(":")
+        if not (
+            sep
+            and MODE_NAME_PATTERN.fullmatch(platform.strip())
+            and MODE_NAME_PATTERN.fullmatch(name.strip())
+        ):
+            raise pytest.UsageError(
+                f"{OPTION} {shorten(target)}: expected PLATFORM:NAME (e.g. cpu:full, cuda:breakable); {known}"
+            )
+        if f"{platform.strip()}:{name.strip()}" not in registered:
+            raise pytest.UsageError(f"{OPTION} {shorten(target)} is not a registered backend; {known}")
+    phase = config.getoption("devgraph_phase")
+    if phase:
+        try:
+            check_phase(phase)
+        except ConfigError as exc:
+            raise pytest.UsageError(f"--devgraph-phase: {exc}") from None
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
