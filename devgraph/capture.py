@@ -86,6 +86,9 @@ class CaptureJob:
     max_size: int
     capture_context: Callable[[GraphKey], Any] | None = None
     barrier: Callable[[], None] = lambda: None
+    # Before each key's warm-ups, on every rank: the ranks check in, so a lost rank is found before any
+    # warm-up issues a collective it would never join (devgraph.ranks).
+    ready: Callable[[GraphKey], None] = lambda key: None
     on_captured: Callable[[GraphKey, Any], None] = lambda key, outputs: None
     # Runs inside the capture session after the last key (the runner learns its output layout here).
     finish: Callable[[GraphKey], None] = lambda key: None
@@ -147,6 +150,7 @@ def _capture_one(job: CaptureJob, key: GraphKey) -> KeyReport:
 def _capture_key(job: CaptureJob, key: GraphKey) -> KeyReport:
     inputs = job.inputs_for(key)
     context = job.capture_context(key) if job.capture_context is not None else None
+    job.ready(key)
     platform = job.platform
     try:
         with forward_context(context), torch.no_grad():

@@ -208,7 +208,8 @@ class GraphRunner:
                     start = time.perf_counter()
                     report.keys = self._capture(self.schedule.keys(), collect=True)
                     report.seconds = time.perf_counter() - start
-                    logger.info("%s", report.table())
+                    if rank_of(self.process_group) == 0:  # one report per tensor-parallel group
+                        logger.info("%s", report.table())
             self._captured = True
             self.report = report
             return report
@@ -218,7 +219,7 @@ class GraphRunner:
 
     def _capture(self, keys: Sequence[GraphKey], *, collect: bool) -> list[KeyReport]:
         # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
-        sync = CaptureSync(self.platform, self.process_group, self.phase, keys)
+        sync = CaptureSync(self.platform, self.process_group, self.phase, keys, self.backend)
         job = CaptureJob(
             phase=self.phase,
             backend=self.backend,
@@ -229,6 +230,7 @@ class GraphRunner:
             max_size=self.schedule.max_tokens,
             capture_context=self.capture_context,
             barrier=sync.barrier,
+            ready=sync.ready,
             on_captured=self._layout.observe,
             finish=self._learn_layout,
             hook=self.capture_hook,
@@ -320,7 +322,7 @@ class GraphRunner:
                 self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
             return self._eager(context, variant, inputs)
         if self.lazy:
-            self._lazy_lookup(key)
+            self._lazy_lookup(key, count)
         self._buffers.stage(step.counts, key, inputs)
         with forward_context(context), self.backend.runtime_session():
             raw = self.backend.replay(key, self._buffers.buffers)
@@ -334,9 +336,13 @@ class GraphRunner:
         with forward_context(context), torch.no_grad():
             return self._graph_forward(**owned, **variant)
 
-    def _lazy_lookup(self, key: GraphKey) -> None:
-        if self._lru.ensure(
-            key, has_graph=self.backend.has_shape, capture=self._capture_lazily, evict=self._evict
+    def _lazy_lookup(self, key: GraphKey, count: bool) -> None:
+        # verify() (count=False) is no step: it counts no hit; a capture it causes is real work and counts.
+        if (
+            self._lru.ensure(
+                key, has_graph=self.backend.has_shape, capture=self._capture_lazily, evict=self._evict
+            )
+            and count
         ):
             self._stats.lazy_hits += 1
 

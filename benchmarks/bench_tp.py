@@ -1,0 +1,347 @@
+"""Tensor-parallel decode: eager vs devgraph ``full`` vs a hand-written ``torch.cuda.CUDAGraph``, TP=2.
+
+One process per GPU, launched by torchrun; every rank runs the same steps in the same order::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --out $OUT/tp.json       # two GPUs, NCCL
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --smoke                  # CPU: gloo, simulated graphs
+
+Model: :class:`~devgraph.reference.tp.TPReferenceModel` (Megatron-style: column-parallel qkv and gate/up,
+row-parallel o/down with an all-reduce after each, KV heads split, vocab-parallel head with an all-gather),
+bf16, random weights drawn on the GPU, Triton paged attention, collectives issued with plain
+``torch.distributed`` calls (NCCL kernels inside the graphs). Presets: ``qwen3-0.6b`` (the issue's target
+shape) and ``8b-like`` (hidden 4096, 36 layers, 32 heads, 8 KV heads, intermediate 12288: per-rank work
+large enough that splitting it pays, which is what tensor parallelism is for).
+
+Decode batches 1, 8, 32, 64 (every request 1024 tokens long), each captured at exactly its size by both
+graph variants: largest first, one pool, one side stream, two warm-ups on it. Variants per batch:
+``eager`` (the forward), ``hand`` (copy the inputs into static buffers, ``CUDAGraph.replay()``), ``full``
+(``GraphRunner.run``), ``full+lockstep`` (the same runner with the per-step key check on). Latency: median
+of per-step ``synchronize`` + ``perf_counter`` wall times on rank 0 (it includes each variant's Python and
+the wait for the other rank), variants interleaved in rounds. Correctness in the same run: max |out -
+eager| on the same batch for ``hand`` and ``full``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform as host_platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from devgraph import ranks
+from devgraph.reference import ReferenceConfig, make_decode_batch
+from devgraph.reference.tp import TPReferenceModel, tp_decode_runner
+
+BATCHES = (1, 8, 32, 64)
+SMOKE_BATCHES = (1, 2, 4)
+INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens")
+WARMUP_ITERS = 2
+NCCL_SAFETY = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+
+
+def preset(name: str, smoke: bool) -> ReferenceConfig:
+    if smoke:
+        return ReferenceConfig.preset("tiny", kernels="torch", max_requests=8, max_seq_len=128)
+    if name == "8b-like":
+        return ReferenceConfig(
+            vocab_size=151936,
+            hidden_size=4096,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=12288,
+            max_requests=64,
+            max_seq_len=2048,
+            dtype=torch.bfloat16,
+        )
+    return ReferenceConfig.preset(name)
+
+
+class Device:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reserved(self) -> int:
+        return int(torch.cuda.memory_reserved()) if self.cuda else 0
+
+    def settle(self) -> None:
+        self.sync()
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+class HandGraphs:
+    """Decode graphs written by hand, as an engine would without devgraph (exact sizes only)."""
+
+    def __init__(self, model: TPReferenceModel, sizes: Sequence[int], dev: Device) -> None:
+        self.model = model
+        self.sizes = sorted(sizes)
+        self.dev = dev
+        top, width, device = self.sizes[-1], model.config.max_blocks_per_request, model.device
+        self.static = {
+            "input_ids": torch.zeros(top, dtype=torch.int64, device=device),
+            "positions": torch.zeros(top, dtype=torch.int64, device=device),
+            "slot_mapping": torch.zeros(top, dtype=torch.int64, device=device),
+            "block_tables": torch.zeros(top, width, dtype=torch.int32, device=device),
+            "seq_lens": torch.zeros(top, dtype=torch.int32, device=device),
+        }
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def capture(self) -> None:
+        gc.collect()
+        gc.freeze()
+        try:
+            with torch.no_grad():
+                self._capture_cuda() if self.dev.cuda else self._capture_sim()
+        finally:
+            gc.unfreeze()
+
+    def _capture_cuda(self) -> None:
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        for size in reversed(self.sizes):
+            views = {name: buf[:size] for name, buf in self.static.items()}
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_ITERS):
+                    self.model.decode_step(**views)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            dist.barrier()  # every rank done warming up (its NCCL communicator is ready) before capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[size] = self.model.decode_step(**views)
+            self.graphs[size] = graph
+
+    def _capture_sim(self) -> None:
+        from devgraph.sim.platform import CpuSimPlatform
+
+        sim = CpuSimPlatform()
+        pool = sim.graph_pool_handle()
+        for size in reversed(self.sizes):
+            views = {name: buf[:size] for name, buf in self.static.items()}
+            for _ in range(WARMUP_ITERS):
+                self.model.decode_step(**views)
+            graph = sim.new_graph()
+            sim.capture_begin(graph, pool)
+            self.outputs[size] = self.model.decode_step(**views)
+            sim.capture_end(graph)
+            self.graphs[size] = graph
+
+    def run(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        n = batch["input_ids"].shape[0]
+        for name in INPUTS:
+            self.static[name][:n].copy_(batch[name])
+        self.graphs[n].replay()
+        return self.outputs[n]
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
+
+def time_variants(
+    variants: Mapping[str, Callable[[], Any]], dev: Device, iters: int, rounds: int
+) -> dict[str, float]:
+    """Median ms per variant, interleaved in ``rounds``; every rank runs exactly the same calls."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for step in variants.values():  # first calls: lazy inits, allocator growth
+        for _ in range(3):
+            step()
+    dev.sync()
+    dist.barrier()
+    per_round = max(1, iters // rounds)
+    for _ in range(rounds):
+        for name, step in variants.items():
+            for _ in range(per_round):
+                dev.sync()
+                t0 = time.perf_counter()
+                step()
+                dev.sync()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(x) for name, x in samples.items()}
+
+
+def bench_preset(
+    name: str, args: argparse.Namespace, dev: Device, say: Callable[..., None]
+) -> dict[str, Any]:
+    config = preset(name, args.smoke)
+    batches = SMOKE_BATCHES if args.smoke else BATCHES
+    t0 = time.perf_counter()
+    model = TPReferenceModel(
+        config, dist.group.WORLD, device=dev.device, seed=0, comm=args.comm, exact_weights=False
+    )
+    model.randomize_cache(seed=0)
+    seq = min(1024, config.max_seq_len)
+    inputs: dict[int, dict[str, Any]] = {
+        n: make_decode_batch(model, n, seq_lens=seq, seed=n) for n in batches
+    }
+    say(f"{name}: model built in {time.perf_counter() - t0:.1f}s ({model.comm})")
+    out: dict[str, Any] = {
+        "model": {k: str(v) for k, v in vars(config).items()},
+        "comm": model.comm.mode,
+        "decode_seq_len": seq,
+    }
+
+    dev.settle()
+    before = dev.reserved()
+    t0 = time.perf_counter()
+    hand = HandGraphs(model, batches, dev)
+    hand.capture()
+    dev.sync()
+    out["hand"] = {"capture_seconds": time.perf_counter() - t0, "graph_bytes": dev.reserved() - before}
+    dev.settle()
+    before = dev.reserved()
+    t0 = time.perf_counter()
+    runner = tp_decode_runner(model, mode="full", sizes=list(batches), progress=False)
+    report = runner.capture()
+    dev.sync()
+    out["full"] = {"capture_seconds": time.perf_counter() - t0, "graph_bytes": dev.reserved() - before}
+    out["full"]["keys"] = [str(k.key) for k in report.keys]
+    seconds = (out["hand"]["capture_seconds"], out["full"]["capture_seconds"])
+    say(f"{name}: captured hand {seconds[0]:.2f}s, full {seconds[1]:.2f}s")
+
+    def lockstep_step(batch: dict[str, Any]) -> Any:
+        runner.check_lockstep = True
+        try:
+            return runner.run(**batch)
+        finally:
+            runner.check_lockstep = False
+
+    latency: dict[str, dict[str, float]] = {}
+    diffs: dict[str, dict[str, float]] = {}
+    for n, batch in inputs.items():
+        with torch.no_grad():
+            eager = model.decode_step(**batch).float()
+            diffs[str(n)] = {
+                "hand": float((hand.run(batch).float() - eager).abs().max()),
+                "full": float((runner.run(**batch).float() - eager).abs().max()),
+                "scale": float(eager.abs().max()),
+            }
+            variants = {
+                "eager": lambda b=batch: model.decode_step(**b),
+                "hand": lambda b=batch: hand.run(b),
+                "full": lambda b=batch: runner.run(**b),
+                "full+lockstep": lambda b=batch: lockstep_step(b),
+            }
+            latency[str(n)] = time_variants(variants, dev, args.iters, args.rounds)
+        row = latency[str(n)]
+        say(
+            f"{name} batch {n:>3}: eager {row['eager']:.3f} ms, hand {row['hand']:.3f}, "
+            f"full {row['full']:.3f}, full+lockstep {row['full+lockstep']:.3f}; "
+            f"max|full-eager| {diffs[str(n)]['full']:.3g}"
+        )
+    out["latency_ms"] = latency
+    out["max_abs_diff_vs_eager"] = diffs
+    first = str(batches[0])
+    out["targets"] = {
+        "full_speedup_vs_eager_batch1": latency[first]["eager"] / latency[first]["full"],
+        "full_over_hand": {n: row["full"] / row["hand"] for n, row in latency.items()},
+    }
+    out["targets"]["met"] = bool(
+        out["targets"]["full_speedup_vs_eager_batch1"] >= 3.0
+        and all(r <= 1.05 for r in out["targets"]["full_over_hand"].values())
+    )
+    runner.close()  # graphs before the process group (and before the hand-written ones' memory goes)
+    hand.close()
+    dev.settle()
+    return out
+
+
+def meta(args: argparse.Namespace, dev: Device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": host_platform.python_version(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "command": "torchrun --nproc-per-node 2 " + " ".join(["benchmarks/bench_tp.py", *sys.argv[1:]]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "timing": "median of per-step synchronize + perf_counter wall times on rank 0, variants interleaved",
+        "iters": args.iters,
+        "rounds": args.rounds,
+        "env": {name: os.environ.get(name) for name in NCCL_SAFETY},
+    }
+    if dev.cuda:
+        info["device"] = torch.cuda.get_device_name()
+        info["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda"] = torch.version.cuda
+        nccl = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    else:
+        info["device"] = f"cpu ({host_platform.machine()}), simulated graphs"
+    return info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="JSON path (written by rank 0)")
+    parser.add_argument("--presets", default="qwen3-0.6b,8b-like")
+    parser.add_argument("--comm", default="auto", choices=("auto", "torch", "op"))
+    parser.add_argument("--iters", type=int, default=None, help="timed steps per variant and batch")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--time-budget", type=float, default=200.0, help="seconds; later presets are skipped")
+    parser.add_argument("--smoke", action="store_true", help="CPU: gloo, tiny model, simulated graphs")
+    args = parser.parse_args(argv)
+    args.iters = args.iters or (10 if args.smoke else 100)
+    start = time.perf_counter()
+    rank = int(os.environ["RANK"])
+    if args.smoke:
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo" if args.smoke else "nccl", timeout=timedelta(minutes=5))
+    dev = Device(device)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    results: dict[str, Any] = {"meta": meta(args, dev), "presets": {}, "errors": {}}
+    say(json.dumps(results["meta"], indent=1))
+    for name in args.presets.split(","):
+        go = [time.perf_counter() - start < args.time_budget * 0.45 or not results["presets"]]
+        dist.broadcast_object_list(go, src=0)  # every rank makes rank 0's decision
+        if not go[0]:
+            results["errors"][name] = "skipped: past --time-budget"
+            continue
+        try:
+            results["presets"][name] = bench_preset(name, args, dev, say)
+        except Exception as exc:  # keep what the other presets measured
+            results["errors"][name] = f"{type(exc).__name__}: {exc}"
+            say(f"{name} failed: {exc}")
+            break  # the ranks may be out of step now: stop rather than hang
+    results["meta"]["elapsed_s"] = time.perf_counter() - start
+    if rank == 0 and args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+    say(json.dumps({k: v.get("targets") for k, v in results["presets"].items()}, indent=1))
+    ranks.destroy_process_group()
+    return 0 if not results["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

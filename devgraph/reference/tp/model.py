@@ -1,0 +1,180 @@
+"""The reference decoder sharded Megatron-style over a tensor-parallel process group.
+
+Per layer: the fused q/k/v and gate/up projections are column-parallel (each rank holds its query heads,
+its KV heads and its slice of the MLP), ``o_proj`` and ``down_proj`` are row-parallel and followed by an
+all-reduce; each rank keeps the paged KV cache of its own KV heads. The embedding is replicated; the LM
+head (tied to it) is vocab-parallel: each rank computes the logits of its slice of the vocabulary and an
+all-gather assembles them.
+
+The full weights are drawn exactly as :class:`~devgraph.reference.ReferenceModel` draws them (same seed,
+same order) and each rank keeps its slice, so one rank equals the single-device model and two ranks equal
+it up to the order of the all-reduce's sums.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devgraph.errors import ConfigError
+from devgraph.reference.attention import PagedMetadata
+from devgraph.reference.config import ReferenceConfig
+from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, _rotate
+from devgraph.reference.tp.comm import TPComm
+
+__all__ = ["TPDecoderLayer", "TPReferenceModel"]
+
+# Draws a full weight of ``shape`` with fan-in ``fan_in`` (float32), in the single-device model's order.
+Draw = Callable[[tuple[int, ...], int], torch.Tensor]
+
+
+def _drawer(seed: int, device: torch.device, exact: bool) -> Draw:
+    """``exact``: on the CPU, as ReferenceModel draws (equal weights on any device); otherwise on
+    ``device`` (fast for large shapes; the same on every rank of one device type)."""
+    where = torch.device("cpu") if exact else device
+    generator = torch.Generator(device=where).manual_seed(seed)
+
+    def draw(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
+        weight = torch.randn(shape, generator=generator, dtype=torch.float32, device=where)
+        return weight.mul_(1.0 / math.sqrt(fan_in))
+
+    return draw
+
+
+def _part(total: int, rank: int, size: int) -> slice:
+    step = total // size
+    return slice(rank * step, (rank + 1) * step)
+
+
+class TPDecoderLayer(DecoderLayer):
+    """A :class:`DecoderLayer` holding one rank's heads and MLP slice; all-reduces after ``o_proj`` and
+    ``down_proj``. Attention (``paged`` or ``sdpa``) is the single-device layer's, over local heads."""
+
+    def __init__(self, config: ReferenceConfig, draw: Draw, comm: TPComm, device: torch.device) -> None:
+        nn.Module.__init__(self)  # weights come sharded from `draw`, not from DecoderLayer's own draws
+        c, dt = config, config.dtype
+        rank, size = comm.rank, comm.world_size
+        self.comm = comm
+        self.num_heads, self.num_kv_heads = c.num_heads // size, c.num_kv_heads // size
+        self.head_dim = c.head_dim
+        self.attention, self.kernels = c.attention, c.kernels
+        self.scale = c.head_dim**-0.5
+        q_full, kv_full = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_size, kv_size = q_full // size, kv_full // size
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
+        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
+
+        def keep(weight: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(weight.contiguous().to(device=device, dtype=dt), requires_grad=False)
+
+        # Same draw order as DecoderLayer: qkv, o, gate_up, down.
+        qkv = draw((q_full + 2 * kv_full, c.hidden_size), c.hidden_size)
+        q, k, v = qkv.split((q_full, kv_full, kv_full))
+        self.qkv_proj = keep(
+            torch.cat(
+                [q[_part(q_full, rank, size)], k[_part(kv_full, rank, size)], v[_part(kv_full, rank, size)]]
+            )
+        )
+        self.o_proj = keep(draw((c.hidden_size, q_full), q_full)[:, _part(q_full, rank, size)])
+        gate, up = draw((2 * c.intermediate_size, c.hidden_size), c.hidden_size).chunk(2)
+        mlp = _part(c.intermediate_size, rank, size)
+        self.gate_up_proj = keep(torch.cat([gate[mlp], up[mlp]]))
+        self.down_proj = keep(draw((c.hidden_size, c.intermediate_size), c.intermediate_size)[:, mlp])
+        cache_shape = (c.total_blocks, c.block_size, self.num_kv_heads, c.head_dim)
+        self.register_buffer("k_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = F.linear(self.input_norm(hidden), self.qkv_proj).split(self.split_sizes, dim=-1)
+        q = _rotate(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = _rotate(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        attn = self.attend(q, k, v, meta)
+        hidden = hidden + self.comm.all_reduce(F.linear(attn.reshape(n, -1), self.o_proj))
+        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
+        return hidden + self.comm.all_reduce(F.linear(F.silu(gate) * up, self.down_proj))
+
+
+class TPReferenceModel(ReferenceModel):
+    """The reference model, one tensor-parallel rank of it (``group``: the tensor-parallel process group;
+    ``None`` for one rank without torch.distributed).
+
+    Everything a :class:`ReferenceModel` offers works unchanged: ``decode_step`` / ``prefill_step`` /
+    ``verify_step`` (each rank gets the same batch and returns the full logits), the batch helpers, the
+    runners (pass ``process_group=``; :func:`tp_decode_runner` does). ``config`` is the full model's;
+    ``num_heads``, ``num_kv_heads``, ``intermediate_size`` and ``vocab_size`` must divide by the group's
+    size. ``comm``: how collectives are issued (:mod:`devgraph.reference.tp.comm`). ``exact_weights``:
+    draw the full weights on the CPU as ReferenceModel does (equal to it; slow for billions of
+    parameters), else on ``device`` (fast, the same on every rank).
+    """
+
+    def __init__(
+        self,
+        config: ReferenceConfig,
+        group: Any = None,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        *,
+        comm: str = "auto",
+        exact_weights: bool = True,
+    ) -> None:
+        nn.Module.__init__(self)  # ReferenceModel's own __init__ would draw and keep the full weights
+        device = torch.device(device if device is not None else "cpu")
+        self.config = config
+        self.comm = TPComm(group, comm, device)
+        size = self.comm.world_size
+        bad = [
+            f"{name}={getattr(config, name)}"
+            for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
+            if getattr(config, name) % size
+        ]
+        if bad:
+            raise ConfigError(
+                f"tensor parallelism over {size} ranks needs {', '.join(bad)} divisible by {size}; "
+                "pick a tensor-parallel size that divides them"
+            )
+        draw = _drawer(seed, device, exact_weights)
+        embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
+        self.embed = nn.Parameter(embed.to(device=device, dtype=config.dtype), requires_grad=False)
+        self.layers = nn.ModuleList(
+            TPDecoderLayer(config, draw, self.comm, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=config.dtype)
+        half = config.head_dim // 2
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half)
+        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)
+        self.register_buffer("rope_cos", angles.cos().float().to(device), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().float().to(device), persistent=False)
+
+    @property
+    def group(self) -> Any:
+        """The tensor-parallel process group (``None`` for one rank)."""
+        return self.comm.group
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel LM head: this rank's vocabulary slice, then an all-gather -> ``[T, vocab]``."""
+        size = self.comm.world_size
+        if size == 1:
+            return F.linear(hidden, self.embed)
+        part = self.config.vocab_size // size
+        rank = self.comm.rank
+        local = F.linear(hidden, self.embed[rank * part : (rank + 1) * part])  # [T, vocab / size]
+        gathered = self.comm.all_gather(local)  # [size * T, vocab / size], rank 0's rows first
+        return gathered.view(size, -1, part).permute(1, 0, 2).reshape(-1, size * part)
+
+    @torch.no_grad()
+    def copy_cache_from(self, model: ReferenceModel) -> None:
+        """Load this rank's KV heads of a single-device model's cache (to compare the two on one state)."""
+        heads = self.config.num_kv_heads // self.comm.world_size
+        start = self.comm.rank * heads
+        for mine, full in zip((*self.k_cache, *self.v_cache), (*model.k_cache, *model.v_cache), strict=True):
+            mine.copy_(full[:, :, start : start + heads].to(mine.device))
