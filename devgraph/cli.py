@@ -85,6 +85,12 @@ def _device(text: str) -> str:
     return text
 
 
+def _tp(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not a tensor-parallel size from 1 to 64")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="devgraph", description="Device-graph capture and replay for PyTorch engines"
@@ -129,6 +135,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=_seed, default=0, help=f"random seed, 0 to {MAX_SEED}")
     demo.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    demo.add_argument(
+        "--attention",
+        choices=("paged", "sdpa"),
+        default=None,
+        help="reference attention: paged (device metadata, capturable whole; default) or sdpa (a break op)",
+    )
+    demo.add_argument(
+        "--tp",
+        type=_tp,
+        default=None,
+        metavar="N",
+        help="tensor-parallel ranks (launch with torchrun --nproc-per-node N -m devgraph demo --tp N)",
+    )
+    from devgraph._serve_cli import add_bench_serve_parser, add_serve_parser
+
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench", help="load benchmarks (bench serve: a trace against a running server)")
+    add_bench_serve_parser(bench.add_subparsers(dest="bench", required=True, parser_class=_OneLineParser))
     return parser
 
 
@@ -184,10 +208,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from devgraph._info import run_info
 
             return run_info(as_json=args.json)
+        if args.command in ("serve", "bench"):
+            return int(args.run(args))
         try:
             check_demo_args(args)
         except DevGraphError as exc:
             args.command_parser.error(str(exc))
+        if args.tp is not None:
+            from devgraph._tp_demo import run_tp_demo
+
+            return run_tp_demo(args)
         from devgraph._demo import run_demo
 
         return run_demo(args)

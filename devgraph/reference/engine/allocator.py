@@ -1,0 +1,94 @@
+"""KV-cache bookkeeping on the host: a free list of blocks and the block-table rows of running requests.
+
+Block 0 is the scratch block: padding tokens write their keys and values there, so no request ever owns
+it. Blocks are not reference-counted (no prefix sharing): a block belongs to one request until freed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from devgraph.errors import ConfigError
+
+__all__ = ["BlockAllocator", "BlockTables", "OutOfBlocks"]
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised by :meth:`BlockAllocator.allocate` when fewer blocks are free than asked for."""
+
+
+class BlockAllocator:
+    """A FIFO free list of the blocks ``1 .. num_blocks - 1``.
+
+    ``allocate(n)`` takes ``n`` blocks or none (never a partial grant); ``free(blocks)`` returns them.
+    Freeing a block twice, or one that was never handed out, raises: a leak or double free in the
+    scheduler shows up at once instead of as corrupted attention.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ConfigError(f"a KV cache needs at least 2 blocks (block 0 is scratch), got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        """Blocks requests can own (every block but the scratch block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count < 0:
+            raise ValueError(f"cannot allocate {count} blocks")
+        if count > len(self._free):
+            raise OutOfBlocks(f"asked for {count} KV blocks, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(count)]
+        self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: Iterable[int]) -> None:
+        for block in blocks:
+            if block not in self._used:
+                raise RuntimeError(f"KV block {block} freed twice or never allocated (scheduler bug)")
+            self._used.remove(block)
+            self._free.append(block)
+
+
+class BlockTables:
+    """The block tables of running requests, one row each, in a host ``int32`` tensor.
+
+    A request gets a row when it starts running and gives it back when it stops; blocks are written
+    into the row as they are allocated, so building a step's ``[R, max_blocks]`` table is one gather.
+    Row ``max_rows`` stays all zeros: padding requests use it (they point at the scratch block).
+    """
+
+    def __init__(self, max_rows: int, width: int) -> None:
+        self.width = width
+        self.table = torch.zeros((max_rows + 1, width), dtype=torch.int32)
+        self.padding_row = max_rows
+        self._free_rows: deque[int] = deque(range(max_rows))
+
+    def acquire(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no block-table row free: more running requests than max_running_requests")
+        return self._free_rows.popleft()
+
+    def release(self, row: int) -> None:
+        self.table[row].zero_()
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, blocks: Sequence[int]) -> None:
+        """Blocks ``start .. start + len(blocks) - 1`` of a request's table."""
+        if blocks:
+            self.table[row, start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+
+    def gather(self, rows: Sequence[int]) -> torch.Tensor:
+        """The ``[len(rows), width]`` tables of these rows (a new tensor)."""
+        return self.table.index_select(0, torch.tensor(rows, dtype=torch.int64))

@@ -1,0 +1,50 @@
+"""The serving engine's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from devgraph.errors import ConfigError
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches.
+
+    ``max_running_requests``: requests decoding or filling at once (also the decode graphs' largest
+    batch). ``token_budget``: tokens one step may compute (the prefill graphs' largest size; at least
+    ``max_running_requests`` so every running request can decode in a mixed step). ``mixed_steps``: carry
+    decode tokens in prefill steps as one-token chunks (one forward per step) instead of running a decode
+    step and a prefill step.
+
+    ``deterministic``: every step has one fixed shape per phase (decode: ``max_running_requests`` rows;
+    prefill: ``token_budget`` tokens and ``max_running_requests`` requests, padded by the engine) and
+    decodes never ride in prefill steps. Matrix-multiply kernels (cuBLAS, MKL) and the split-KV decode
+    attention choose their reduction order from the batch shape, so without this a request's logits can
+    move in the last bits with the number of other requests in the step, and a greedy token can flip
+    where two logits are nearly tied. With it, a request's tokens depend only on the request, with graphs
+    or without. It costs the padding (and one graph per phase instead of a size ladder).
+    """
+
+    max_running_requests: int = 8
+    token_budget: int = 256
+    mixed_steps: bool = True
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_running_requests", "token_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if self.token_budget < self.max_running_requests:
+            raise ConfigError(
+                f"EngineConfig.token_budget ({self.token_budget}) must be >= max_running_requests "
+                f"({self.max_running_requests}): every running request must fit one step"
+            )
+
+    @property
+    def mixed(self) -> bool:
+        """Whether decode tokens share prefill steps (never in deterministic mode)."""
+        return self.mixed_steps and not self.deterministic

@@ -1,0 +1,302 @@
+"""The reference serving engine in-process: allocator, scheduler, chunked prefill, preemption, sampling,
+graphs vs eager. CPU, tiny preset, real runners (the CPU simulated graph under ``auto``)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from devgraph.errors import ConfigError, InputError
+from devgraph.reference import ReferenceConfig, ReferenceModel
+from devgraph.reference.engine import (
+    BlockAllocator,
+    BlockTables,
+    Engine,
+    EngineConfig,
+    EngineLoop,
+    FinishReason,
+    OutOfBlocks,
+    RequestOutput,
+    Sampler,
+    SamplingParams,
+    Status,
+)
+from devgraph.reference.engine.request import Request
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny matrices on a shared 2-core machine: OpenMP threads only contend (20x slower steps).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> ReferenceModel:
+    return ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4), seed=0)
+
+
+@pytest.fixture(scope="module")
+def small_cache_model() -> ReferenceModel:
+    # 9 blocks of 16 slots, 8 usable: two 60-token requests cannot both hold their blocks.
+    return ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4, num_blocks=9), seed=0)
+
+
+def _prompts(count: int, seed: int, low: int = 3, high: int = 70) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _engine(model: ReferenceModel, mode: str = "disabled", **config: object) -> Engine:
+    settings: dict[str, object] = {"max_running_requests": 4, "token_budget": 32, **config}
+    return Engine(model, EngineConfig(**settings), device_graph_mode=mode, progress=False)  # type: ignore[arg-type]
+
+
+# -- allocator and tables ------------------------------------------------------------------------------
+def test_allocator_never_hands_out_block_zero_and_catches_double_free() -> None:
+    allocator = BlockAllocator(6)
+    assert allocator.capacity == allocator.num_free == 5
+    blocks = allocator.allocate(5)
+    assert sorted(blocks) == [1, 2, 3, 4, 5]
+    with pytest.raises(OutOfBlocks):
+        allocator.allocate(1)
+    allocator.free(blocks[:2])
+    assert allocator.num_free == 2
+    with pytest.raises(RuntimeError, match="freed twice"):
+        allocator.free(blocks[:1])
+    with pytest.raises(ConfigError):
+        BlockAllocator(1)
+
+
+def test_block_tables_gather_rows_and_keep_a_zero_padding_row() -> None:
+    tables = BlockTables(max_rows=2, width=4)
+    a, b = tables.acquire(), tables.acquire()
+    tables.write(a, 0, [7, 8])
+    tables.write(b, 0, [3])
+    tables.write(a, 2, [9])
+    got = tables.gather([b, a, tables.padding_row])
+    assert got.tolist() == [[3, 0, 0, 0], [7, 8, 9, 0], [0, 0, 0, 0]]
+    with pytest.raises(RuntimeError):
+        tables.acquire()
+    tables.release(a)
+    assert tables.gather([tables.acquire()]).tolist() == [[0, 0, 0, 0]]
+
+
+# -- scheduling ----------------------------------------------------------------------------------------
+def test_chunked_prefill_under_the_token_budget_then_decode(model: ReferenceModel) -> None:
+    engine = _engine(model)
+    request = engine.add_request(list(range(1, 71)), SamplingParams(max_tokens=3))
+    lengths = []
+    for _ in range(3):
+        schedule = engine.scheduler.schedule()
+        lengths.append([(c.start, c.length, c.samples) for c in schedule.chunks])
+        engine._run("prefill", [(c.request, c.start, c.length, c.samples) for c in schedule.chunks])
+    assert lengths == [[(0, 32, False)], [(32, 32, False)], [(64, 6, True)]]
+    assert len(request.output) == 1 and request.num_computed == 70
+    assert engine.scheduler.schedule().decodes == [request]
+    engine.close()
+
+
+def test_continuous_batching_admits_fcfs_up_to_max_running(model: ReferenceModel) -> None:
+    engine = _engine(model, max_running_requests=2, token_budget=64)
+    first = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=n)) for n in (2, 6, 4)]
+    engine.step()
+    assert [r.status for r in first] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    # A request that arrives while others decode joins as soon as a slot frees, behind the earlier one.
+    late = engine.add_request([4, 5], SamplingParams(max_tokens=2))
+    order = []
+    while engine.has_work:
+        for output in engine.step():
+            if output.finished:
+                order.append(output.request_id)
+    assert order[:2] == [first[0].request_id, first[1].request_id]
+    assert set(order) == {r.request_id for r in (*first, late)}
+    assert engine.stats()["steps"].get("mixed", 0) > 0  # decodes rode in prefill steps
+    assert engine.allocator.num_free == engine.allocator.capacity
+    engine.close()
+
+
+def test_preemption_recomputes_the_newest_request_and_frees_every_block(
+    small_cache_model: ReferenceModel,
+) -> None:
+    prompts = _prompts(3, seed=3, low=40, high=48)
+    params = SamplingParams(max_tokens=20)
+    alone = _engine(small_cache_model, deterministic=True)
+    expected = [alone.generate([p], params)[0] for p in prompts]
+    alone.close()
+    engine = _engine(small_cache_model, deterministic=True)
+    got = engine.generate(prompts, params)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert got == expected  # recomputation continues where the request was
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 8
+    engine.close()
+
+
+def test_a_request_larger_than_the_cache_or_context_is_refused(small_cache_model: ReferenceModel) -> None:
+    engine = _engine(small_cache_model)
+    with pytest.raises(InputError, match="KV blocks"):
+        engine.add_request(list(range(100)), SamplingParams(max_tokens=100))
+    with pytest.raises(InputError, match="context"):
+        engine.add_request(list(range(250)), SamplingParams(max_tokens=10))
+    with pytest.raises(InputError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InputError, match="token ids"):
+        engine.add_request([1, 512], SamplingParams())
+    with pytest.raises(InputError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ConfigError, match="token_budget"):
+        EngineConfig(max_running_requests=8, token_budget=4)
+    engine.close()
+
+
+def test_stop_token_and_abort_free_blocks(model: ReferenceModel) -> None:
+    engine = _engine(model)
+    prompt = [5, 6, 7, 8]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=6))[0]
+    stop_at = next(i for i, t in enumerate(greedy) if t not in greedy[:i])
+    request = engine.add_request(prompt, SamplingParams(max_tokens=6, stop_token_ids=(greedy[stop_at],)))
+    while request.status is not Status.FINISHED:
+        engine.step()
+    assert request.output == greedy[:stop_at] and request.finish_reason is FinishReason.STOP
+    running = engine.add_request(prompt, SamplingParams(max_tokens=50))
+    waiting = [engine.add_request(prompt, SamplingParams(max_tokens=50)) for _ in range(5)]
+    engine.step()
+    assert running.blocks and waiting[-1].status is Status.WAITING
+    for r in (running, waiting[-1]):
+        output = engine.abort(r.request_id)
+        assert output is not None and output.finish_reason is FinishReason.ABORT and r.blocks == []
+    assert engine.abort(running.request_id) is None
+    while engine.has_work:
+        engine.step()
+    assert engine.allocator.num_free == engine.allocator.capacity
+    engine.close()
+
+
+# -- determinism: graphs vs eager, batch composition ---------------------------------------------------
+def test_graphs_give_the_same_tokens_as_disabled_on_the_same_schedule(model: ReferenceModel) -> None:
+    prompts = _prompts(6, seed=1)
+    params = [SamplingParams(max_tokens=n) for n in (1, 4, 9, 12, 3, 7)]
+    eager = _engine(model, "disabled")
+    graphs = _engine(model, "auto")
+    assert eager.generate(prompts, params) == graphs.generate(prompts, params)
+    stats = graphs.stats()["runners"]
+    assert stats["decode"]["replays"] > 0 and stats["prefill"]["replays"] > 0
+    assert eager.stats()["runners"]["decode"]["eager_by_reason"]["disabled"] > 0
+    eager.close()
+    graphs.close()
+
+
+def test_deterministic_mode_tokens_do_not_depend_on_the_batch(model: ReferenceModel) -> None:
+    prompts = _prompts(5, seed=2)
+    params = [
+        SamplingParams(max_tokens=8),
+        SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=11),
+        SamplingParams(max_tokens=5, temperature=1.3, seed=12),
+        SamplingParams(max_tokens=8),
+        SamplingParams(max_tokens=6, temperature=0.7, seed=13),
+    ]
+    engine = _engine(model, "auto", deterministic=True)
+    batched = engine.generate(prompts, params)
+    alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
+    assert batched == alone
+    assert set(engine.decode_runner.stats()["replays_by_key"]) == {"tokens=4,requests=4"}
+    assert engine.stats()["engine_padding_tokens"] > 0
+    engine.close()
+
+
+# -- sampling ------------------------------------------------------------------------------------------
+def _request(params: SamplingParams) -> Request:
+    return Request("r", [1], params, 0)
+
+
+def test_sampler_is_greedy_at_temperature_zero_and_seeded_otherwise() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler()
+    greedy = sampler.sample(logits, [_request(SamplingParams())] * 3)
+    assert greedy == logits.argmax(-1).tolist()
+    draws = [
+        [sampler.sample(logits[:1], [r])[0] for _ in range(20)]
+        for r in (_request(SamplingParams(temperature=1.0, seed=7)) for _ in range(2))
+    ]
+    assert draws[0] == draws[1] and len(set(draws[0])) > 1
+    other = _request(SamplingParams(temperature=1.0, seed=8))
+    assert [sampler.sample(logits[:1], [other])[0] for _ in range(20)] != draws[0]
+    # A tiny top_p keeps only the most likely token.
+    narrow = _request(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))
+    assert {sampler.sample(logits[1:2], [narrow])[0] for _ in range(10)} == {greedy[1]}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    sampler = Sampler()
+    request = _request(SamplingParams(temperature=1.0, top_p=0.7, seed=3))
+    seen = {sampler.sample(probs.log(), [request])[0] for _ in range(200)}
+    assert seen == {1, 3}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 0 are cut
+
+
+def test_identical_seeds_give_identical_text_across_batches(model: ReferenceModel) -> None:
+    engine = _engine(model, deterministic=True)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=42)
+    prompt = [9, 8, 7, 6]
+    alone = engine.generate([prompt], params)[0]
+    crowded = engine.generate([prompt, *_prompts(3, seed=5)], [params] + [SamplingParams(max_tokens=10)] * 3)
+    assert crowded[0] == alone
+    assert engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=43))[0] != alone
+    engine.close()
+
+
+# -- the engine thread ---------------------------------------------------------------------------------
+def test_engine_loop_serves_other_threads_and_aborts_on_shutdown(model: ReferenceModel) -> None:
+    engine = _engine(model)
+    loop = EngineLoop(engine)
+    loop.start()
+    outputs: dict[str, list[RequestOutput]] = {}
+    done = threading.Event()
+
+    def sink(output: RequestOutput) -> None:
+        outputs.setdefault(output.request_id, []).append(output)
+        if output.finished and output.finish_reason is FinishReason.LENGTH:
+            done.set()
+
+    short = loop.submit([1, 2, 3], SamplingParams(max_tokens=3), sink)
+    long = loop.submit([4, 5, 6], SamplingParams(max_tokens=200), sink)
+    assert done.wait(30)
+    assert [len(o.token_ids) for o in outputs[short]] == [1, 1, 1]
+    with pytest.raises(InputError):
+        loop.submit([], SamplingParams(), sink)
+    loop.shutdown(drain_seconds=0.0)
+    assert outputs[long][-1].finish_reason is FinishReason.ABORT
+    assert engine.allocator.num_free == engine.allocator.capacity
+    engine.close()
+
+
+def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(model: ReferenceModel) -> None:
+    engine = _engine(model, mixed_steps=False)
+    decoding = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    engine.step()  # prefill: `decoding` now decodes
+    fresh = engine.add_request([4, 5, 6], SamplingParams(max_tokens=5))
+    real_run = engine.prefill_runner.run
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("device fell over")
+
+    engine.prefill_runner.run = broken  # type: ignore[method-assign]
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs[fresh.request_id].finish_reason is FinishReason.ERROR
+    assert "device fell over" in (outputs[fresh.request_id].error or "")
+    assert outputs[decoding.request_id].token_ids and not outputs[decoding.request_id].finished
+    engine.prefill_runner.run = real_run  # type: ignore[method-assign]
+    assert engine.generate([[7, 8]], SamplingParams(max_tokens=2))[0]
+    while engine.has_work:
+        engine.step()
+    assert engine.allocator.num_free == engine.allocator.capacity
+    engine.close()

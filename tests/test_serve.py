@@ -1,0 +1,405 @@
+"""``devgraph serve`` as a real subprocess on a free local port (127.0.0.1 only), tiny preset on the CPU:
+streaming equals the eager engine, every bad input gets its 4xx, disconnects and 1000 requests leave no
+KV block behind, SIGTERM drains and exits 0. Plus the tokenizer, protocol and load-generator pieces."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from devgraph.reference import ReferenceConfig, ReferenceModel
+from devgraph.reference.engine import Engine, EngineConfig, SamplingParams
+from devgraph.serve.protocol import ApiError, parse
+from devgraph.serve.report import percentile, summarize
+from devgraph.serve.tokenizer import ByteTokenizer, StreamDecoder
+
+aiohttp = pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parent.parent
+# Small shapes so capture takes a second or two; one torch thread (the CPU runners share two cores).
+COMMON = ["--preset", "tiny", "--device", "cpu", "--cpu-threads", "1", "--max-running-requests", "8"]
+
+
+class Server:
+    def __init__(self, *flags: str) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "devgraph.serve",
+            *COMMON,
+            *flags,
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+        ]
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        deadline = time.monotonic() + 120
+        assert self.proc.stdout is not None
+        line = ""
+        while "listening on" not in line:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {''.join(self.stderr)[-2000:]}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("server did not start in 120 s")
+        self.url = line.rsplit(" ", 1)[-1].strip()
+        self.port = int(self.url.rsplit(":", 1)[-1])
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, data=body, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                raw = response.read()
+                status = response.status
+                content_type = response.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as error:
+            raw, status, content_type = error.read(), error.code, error.headers.get("Content-Type", "")
+        return status, json.loads(raw) if "json" in content_type else raw.decode()
+
+    def post(self, payload: Any) -> tuple[int, Any]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return self.request("POST", "/v1/completions", body)
+
+    def stats(self) -> dict[str, Any]:
+        return self.request("GET", "/v1/engine/stats")[1]
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["running"] == stats["waiting"] == stats["queued"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """Deterministic mode with graphs: each request's tokens are what the eager engine gives it alone."""
+    srv = Server("--device-graph-mode", "auto", "--deterministic", "--token-budget", "32")
+    yield srv
+    assert srv.stop() == 0, "".join(srv.stderr)[-2000:]
+
+
+@pytest.fixture(scope="module")
+def mixed_server() -> Iterator[Server]:
+    """The default engine (size ladders, mixed prefill + decode steps) with graphs."""
+    srv = Server("--device-graph-mode", "auto", "--token-budget", "32", "--drain-timeout", "30")
+    yield srv
+    srv.stop()
+
+
+async def _stream(url: str, payload: dict[str, Any]) -> tuple[list[int], str | None, str]:
+    tokens: list[int] = []
+    text, reason = "", None
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/completions", json={**payload, "stream": True}) as response,
+    ):
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            tokens += choice["token_ids"]
+            text += choice["text"]
+            reason = choice["finish_reason"] or reason
+    return tokens, reason, text
+
+
+# -- over HTTP ------------------------------------------------------------------------------------------
+def test_concurrent_streams_equal_the_eager_engine(server: Server) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(512) for _ in range(rng.randint(2, 60))] for _ in range(10)]
+    lengths = [rng.randint(1, 12) for _ in prompts]
+    sampled = {3: 5, 7: 6}  # request index -> seed (temperature 0.8); the rest greedy
+
+    def payload(i: int) -> dict[str, Any]:
+        extra = {"temperature": 0.8, "seed": sampled[i]} if i in sampled else {"temperature": 0}
+        return {"prompt": prompts[i], "max_tokens": lengths[i], **extra}
+
+    async def all_streams() -> list[tuple[list[int], str | None, str]]:
+        return await asyncio.gather(*(_stream(server.url, payload(i)) for i in range(len(prompts))))
+
+    served = asyncio.run(all_streams())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=8), seed=0)
+        engine = Engine(
+            model, EngineConfig(8, 32, deterministic=True), device_graph_mode="disabled", progress=False
+        )
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.8 if i in sampled else 0.0, seed=sampled.get(i))
+            for i, n in enumerate(lengths)
+        ]
+        expected = engine.generate(prompts, params)
+    finally:
+        torch.set_num_threads(threads)
+    assert [tokens for tokens, _, _ in served] == expected
+    assert all(reason == "length" for _, reason, _ in served)
+    assert served[0][2] == ByteTokenizer().decode(expected[0])
+    stats = server.wait_idle()
+    assert stats["runners"]["decode"]["replays"] > 0
+
+
+def test_text_prompt_and_non_streaming_response(server: Server) -> None:
+    status, body = server.post({"model": "tiny", "prompt": "héllo", "max_tokens": 3, "temperature": 0})
+    assert status == 200
+    choice = body["choices"][0]
+    assert len(choice["token_ids"]) == 3 and choice["finish_reason"] == "length"
+    assert choice["text"] == ByteTokenizer().decode(choice["token_ids"])
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}
+    status, models = server.request("GET", "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "tiny" and models["data"][0]["vocab_size"] == 512
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        ({"max_tokens": 3}, 400, "missing field 'prompt'"),
+        ({"prompt": list(range(1, 300)), "max_tokens": 4}, 400, "context"),
+        ({"prompt": "x" * 300}, 400, "context"),
+        ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": [1, 2], "max_tokens": -5}, 400, "max_tokens"),
+        ({"prompt": [1, 2], "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"prompt": [1, 2], "model": "gpt-4"}, 404, "not served"),
+        ({"prompt": [1, 9999]}, 400, "token ids"),
+        ({"prompt": []}, 400, "empty"),
+        ({"prompt": ["a", "b"]}, 400, "one prompt"),
+        ({"prompt": [1], "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": [1], "top_p": 0}, 400, "top_p"),
+        ({"prompt": [1], "stop": ["\n"]}, 400, "stop strings"),
+        ({"prompt": [1], "stream": "yes"}, 400, "stream"),
+        ({"prompt": [1], "n": 2}, 400, "n must be 1"),
+        (b'{"prompt": "' + b"a" * (1 << 21) + b'"}', 413, "too large"),
+    ],
+)
+def test_bad_input_gets_a_4xx_json_error_and_the_server_keeps_serving(
+    server: Server, payload: Any, status: int, needle: str
+) -> None:
+    got, body = server.post(payload)
+    assert got == status, body
+    assert needle in body["error"]["message"]
+    assert body["error"]["code"] == status
+    assert server.request("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(server: Server) -> None:
+    total = server.wait_idle()["kv_blocks_total"]
+    aborted_before = server.stats()["finished"].get("abort", 0)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 240, "temperature": 0, "stream": True})
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # the first token arrived: the request is running
+    connection.close()
+    stats = server.wait_idle()
+    assert stats["kv_blocks_free"] == total
+    assert stats["finished"].get("abort", 0) == aborted_before + 1
+
+
+def test_metrics_expose_runner_statistics_and_latency_histograms(server: Server) -> None:
+    pytest.importorskip("prometheus_client")
+    server.post({"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0})
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+
+    def value(prefix: str, **labels: str) -> float:
+        hits = [
+            v
+            for k, v in samples.items()
+            if k.split("{")[0] == prefix and all(f'{a}="{b}"' in k for a, b in labels.items())
+        ]
+        assert len(hits) == 1, (prefix, labels, hits)
+        return hits[0]
+
+    assert value("devgraph_replays_total", phase="decode", key="tokens=8,requests=8") > 0
+    assert value("devgraph_eager_steps_total", phase="prefill", reason="past_largest") == 0
+    assert value("devgraph_padding_waste_ratio", phase="decode") == 0  # the engine pads, not the runner
+    assert value("devgraph_engine_padding_tokens_total") > 0
+    assert value("devgraph_serve_time_to_first_token_seconds_count") > 0
+    assert value("devgraph_serve_inter_token_latency_seconds_count") > 0
+    assert value("devgraph_serve_requests_total", finish_reason="length") > 0
+    assert value("devgraph_serve_requests_running") == 0
+    assert value("devgraph_serve_kv_blocks_free") == value("devgraph_serve_kv_blocks_total")
+
+
+def test_a_thousand_requests_leave_the_allocator_full(mixed_server: Server) -> None:
+    total = mixed_server.wait_idle()["kv_blocks_total"]
+    rng = random.Random(1)
+
+    async def one(session: Any, i: int, gate: asyncio.Semaphore) -> int:
+        payload = {
+            "prompt": [rng.randrange(512) for _ in range(rng.randint(1, 6))],
+            "max_tokens": rng.randint(1, 2),
+            "temperature": 0,
+            "stream": i % 2 == 0,
+        }
+        async with gate, session.post(f"{mixed_server.url}/v1/completions", json=payload) as response:
+            await response.read()
+            return response.status
+
+    async def run() -> list[int]:
+        gate = asyncio.Semaphore(48)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            return await asyncio.gather(*(one(session, i, gate) for i in range(1000)))
+
+    start = time.monotonic()
+    statuses = asyncio.run(run())
+    assert statuses == [200] * 1000
+    stats = mixed_server.wait_idle()
+    assert stats["kv_blocks_free"] == total
+    assert sum(stats["finished"].values()) >= 1000
+    assert stats["steps"].get("mixed", 0) > 0
+    assert time.monotonic() - start < 120
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_zero(mixed_server: Server) -> None:
+    result: dict[str, Any] = {}
+
+    async def stream_then_signal() -> None:
+        async with aiohttp.ClientSession() as session:
+            payload = {"prompt": [7, 8, 9], "max_tokens": 200, "temperature": 0, "stream": True}
+            async with session.post(f"{mixed_server.url}/v1/completions", json=payload) as response:
+                tokens, reason, done = 0, None, False
+                async for raw in response.content:
+                    line = raw.strip()
+                    if line == b"data: [DONE]":
+                        done = True
+                    elif line.startswith(b"data: "):
+                        choice = json.loads(line[6:])["choices"][0]
+                        tokens += len(choice["token_ids"])
+                        reason = choice["finish_reason"] or reason
+                        if tokens == 1:
+                            mixed_server.proc.send_signal(signal.SIGTERM)
+                result.update(tokens=tokens, reason=reason, done=done)
+
+    asyncio.run(stream_then_signal())
+    assert mixed_server.proc.wait(timeout=60) == 0, "".join(mixed_server.stderr)[-2000:]
+    assert result == {"tokens": 200, "reason": "length", "done": True}  # drained, not cut
+    assert "shutting down" in "".join(mixed_server.stderr)
+
+
+def test_load_generator_reports_percentiles_over_http(server: Server) -> None:
+    from devgraph.serve.loadgen import make_trace, run_load
+
+    trace = make_trace(6, (2, 20), (2, 5), vocab=512, max_seq_len=256, seed=3)
+    run = asyncio.run(run_load(server.url, trace, concurrency=3, progress=False))
+    summary = run["summary"]
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["output_tokens"] == sum(t.max_tokens for t in trace)
+    assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p99"] >= summary["itl_ms"]["p50"]
+    assert [len(r["token_ids"]) for r in run["results"]] == [t.max_tokens for t in trace]
+
+
+# -- in-process pieces ----------------------------------------------------------------------------------
+def test_byte_tokenizer_round_trip_and_streaming_split_characters() -> None:
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("hé€")
+    assert ids == [104, 195, 169, 226, 130, 172]
+    assert tokenizer.decode(ids) == "hé€"
+    assert tokenizer.decode([104, 300, 105]) == "h<|300|>i"
+    decoder = StreamDecoder()
+    pieces = [decoder.feed([t]) for t in ids]
+    assert pieces == ["h", "", "é", "", "", "€"]
+    assert decoder.feed([226]) == "" and decoder.flush() == "\ufffd"
+
+
+def test_protocol_defaults_and_field_checks() -> None:
+    request = parse({"prompt": "ab", "stop": 7, "stop_token_ids": [8]}, ByteTokenizer(), "tiny")
+    assert request.prompt == [97, 98] and not request.stream
+    params = request.params
+    assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (16, 1.0, 1.0, None)
+    assert params.stop_token_ids == (7, 8)
+    with pytest.raises(ApiError) as info:
+        parse({"prompt": [1], "seed": 1.5}, ByteTokenizer(), "tiny")
+    assert info.value.status == 400 and info.value.param == "seed"
+
+
+def test_percentiles_and_summary() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    rows = [
+        {
+            "ok": True,
+            "ttft": 0.1,
+            "itl": [0.01, 0.03],
+            "token_times": [0.1, 0.11, 0.14],
+            "token_ids": [1, 2, 3],
+        },
+        {"ok": False, "ttft": None, "itl": [], "token_times": [], "token_ids": []},
+    ]
+    summary = summarize(rows, wall_seconds=1.5)
+    assert summary["completed"] == 1 and summary["failed"] == 1
+    assert summary["output_tokens_per_s"] == pytest.approx(2.0)
+    assert summary["itl_ms"]["p50"] == pytest.approx(20.0)
+    assert summary["tpot_ms"]["mean"] == pytest.approx(20.0)
+
+
+def test_serve_cli_parsers() -> None:
+    import argparse
+
+    from devgraph._serve_cli import add_bench_serve_parser, add_serve_parser
+    from devgraph.config import DeviceGraphConfig
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub)
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command")
+    add_bench_serve_parser(bench)
+    args = parser.parse_args(
+        ["serve", "--device-graph-mode", "decode=full", "--port", "0", "--deterministic"]
+    )
+    assert isinstance(args.device_graph_mode, DeviceGraphConfig) and args.port == 0 and args.deterministic
+    args = parser.parse_args(["bench", "serve", "--request-rate", "2.5", "--prompt-len", "8:16"])
+    assert args.request_rate == 2.5 and args.prompt_len == (8, 16) and args.concurrency is None
+    for bad in (["serve", "--port", "70000"], ["serve", "--device-graph-mode", "sideways"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
