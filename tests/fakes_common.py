@@ -41,7 +41,8 @@ def ensure_plugins_importable() -> None:
 
 
 def plugin_registry(*plugins: Any) -> Registry:
-    """A registry with the built-ins plus the given plug-in modules (hook functions called directly)."""
+    """A registry with the built-ins plus the given plug-in modules (hook functions called directly):
+    their platforms, backends and compatibility rules."""
     registry = Registry(entry_points=False).load()
     for module in plugins:
         origin = f"{module.__name__} (tests)"
@@ -51,6 +52,9 @@ def plugin_registry(*plugins: Any) -> Registry:
         module.devgraph_register_backends(
             register=lambda cls, o=origin, **kw: registry.add_backend(cls, origin=o, **{"name": None, **kw})
         )
+        rules = getattr(module, "devgraph_compatibility_rules", None)
+        if rules is not None:  # vendor policy (ROCm's rocm-no-breakable) comes through this hook
+            rules(register=lambda rule, o=origin: registry.add_rule(rule, origin=o))
     return registry
 
 

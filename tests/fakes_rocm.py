@@ -15,9 +15,9 @@ What it models of torch on ROCm, as devgraph-rocm uses it:
   it fails with hipErrorStreamCaptureUnsupported, as on the device — which is why the warm-up must run
   on the capture stream.
 
-Two methods of the ROCm platform are patched while installed: ``default_device`` (tensors live on the
-CPU) and ``record_opaque`` (compiled pieces are recorded whole, as the CPU platform records them; see
-``install``).
+Three methods of the ROCm platform are patched while installed: ``default_device`` (tensors live on the
+CPU), ``record_opaque`` (compiled pieces are recorded whole, as the CPU platform records them) and
+``allocate_into`` (break-op outputs are allocated as on the CPU platform; see ``install``).
 """
 
 from __future__ import annotations
@@ -154,6 +154,10 @@ def install(monkeypatch: Any) -> Iterator[FakeHip]:
         "record_opaque",
         lambda self, fn, *args, **kwargs: sim.record_opaque(fn, *args, **kwargs),
     )
+    # Break ops allocate their outputs in the graph pool through the caching allocator's private calls,
+    # which a CPU build does not have; the simulator's pools hold no allocator, so (as on the CPU platform)
+    # the eager break op allocates as usual.
+    monkeypatch.setattr(RocmPlatform, "allocate_into", lambda self, pool: contextlib.nullcontext())
     mode = _HipBlasLt(fake)
     mode.__enter__()
     try:

@@ -2,7 +2,9 @@
 
 Every test is marked ``cuda``; tests/conftest.py skips them where no NVIDIA GPU is visible. The model is
 the reference decoder with Qwen3-0.6B's layer shapes, cut to 4 layers and a 4096-token vocabulary so the
-suite runs in about a minute, in bf16 as served.
+suite runs in a few minutes, in bf16 as served, over a paged KV cache. ``paged`` attention runs the
+device-metadata kernels (Triton where it imports) and is captured whole; ``sdpa`` attention is a break op
+fed host lengths through the forward context (the break-op modes run it eagerly between segments).
 
 Equality with eager is exact (``max_abs_diff == 0``) whenever the graph and eager run the same kernels on
 the same shapes: ``GraphRunner.verify`` compares against eager on the runner's own padded buffers, so any
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -23,18 +26,21 @@ import pytest
 import torch
 
 import devgraph
-from devgraph import CaptureError, GraphRunner, StaticInput, graph_break
+from devgraph import CaptureError, GraphKey, GraphRunner, StaticInput, graph_break
+from devgraph.keys import REQUESTS
 from devgraph.reference import (
     ReferenceConfig,
     ReferenceModel,
-    decode_context,
+    batch_context,
     decode_runner,
     make_decode_batch,
     make_prefill_batch,
-    prefill_context,
+    make_verify_batch,
     prefill_runner,
     reference_inputs,
+    verify_runner,
 )
+from devgraph.reference.kernels import available_backends
 from devgraph.strategies.plan import BreakCall, SegmentedPlan
 
 pytestmark = pytest.mark.cuda
@@ -50,11 +56,10 @@ ON_CUDA = DEVICE.type == "cuda"
 
 
 # -- fixtures and helpers ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model() -> ReferenceModel:
+def _build(attention: str) -> ReferenceModel:
     """Qwen3-0.6B layer shapes, 4 layers, bf16, a random KV-cache history."""
     config = ReferenceConfig.preset(
-        "qwen3-0.6b", num_layers=4, vocab_size=4096, max_requests=64, max_seq_len=512
+        "qwen3-0.6b", num_layers=4, vocab_size=4096, max_requests=64, max_seq_len=512, attention=attention
     )
     model = ReferenceModel(config, device=DEVICE, seed=0)
     model.randomize_cache(seed=0)
@@ -62,14 +67,33 @@ def model() -> ReferenceModel:
     return model
 
 
+@pytest.fixture(scope="module")
+def model() -> ReferenceModel:
+    """``paged`` attention: device-metadata kernels, captured whole."""
+    return _build("paged")
+
+
+@pytest.fixture(scope="module")
+def sdpa_model() -> ReferenceModel:
+    """``sdpa`` attention: one break op per layer, reading host lengths from the context."""
+    return _build("sdpa")
+
+
+def _model_for(request: pytest.FixtureRequest, attention: str) -> ReferenceModel:
+    return request.getfixturevalue("model" if attention == "paged" else "sdpa_model")
+
+
 def _prime_capture_stream(model: ReferenceModel) -> None:
     """Run once on devgraph's capture stream, so lazily created per-stream state (the cuBLAS/cuBLASLt
-    workspaces, kept until exit) exists before any test measures memory."""
+    workspaces, kept until exit; Triton's compiled kernels) exists before any test measures memory."""
     platform = devgraph.resolve_platform(DEVICE)
     batch = make_decode_batch(model, 8)
-    with platform.stream(platform.new_stream()):
+    prefill = make_prefill_batch(model, [16, 9])
+    context = batch_context(batch) if model.config.attention == "sdpa" else None
+    with platform.stream(platform.new_stream()), devgraph.forward_context(context):
         model.decode_step(**batch)
-        model.prefill_step(**make_prefill_batch(model, [16]))
+    with platform.stream(platform.new_stream()), devgraph.forward_context(batch_context(prefill)):
+        model.prefill_step(**prefill)
     model.decode_step(**batch)
     platform.synchronize()
 
@@ -115,7 +139,7 @@ def assert_released(base_allocated: int, base_reserved: int, held: int | None = 
 
 
 def graphs_of(runner: GraphRunner) -> list[Any]:
-    """Every device graph a runner's backend holds (one per size, or one per segment)."""
+    """Every device graph a runner's backend holds (one per key, or one per segment)."""
     out = []
     for entry in runner.backend._entries.values():
         if isinstance(entry, SegmentedPlan):
@@ -125,33 +149,41 @@ def graphs_of(runner: GraphRunner) -> list[Any]:
     return out
 
 
+def _context(mode: str, batch: dict[str, torch.Tensor]) -> Any:
+    """``full`` bakes the capture-time context (none) into the graph, so it runs without one; the
+    break-op modes read the live one."""
+    return None if mode == "full" else batch_context(batch)
+
+
 # -- equality with eager -------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["paged", "sdpa"])
 @pytest.mark.parametrize("mode", STRATEGIES)
-def test_decode_equals_eager_at_every_captured_padded_and_fallback_size(model, mode):
+def test_decode_equals_eager_at_every_captured_padded_and_fallback_size(request, mode, attention):
+    model = _model_for(request, attention)
     with decode_runner(model, mode=mode, sizes=DECODE_SIZES) as runner:
         runner.capture()
-        assert runner.backend.captured_keys() == DECODE_SIZES
+        assert [k.tokens for k in runner.keys] == DECODE_SIZES
         for n in (1, 2, 3, 4, 5, 8, 13, 16, 17, 24):
             batch = make_decode_batch(model, n, seed=n)
-            # full bakes the capture-time context into the graph, so it must run without one; the
-            # break-op modes read the live one (attention over max_seq_len positions only).
-            context = None if mode == "full" else decode_context(batch)
-            result = runner.verify(n, context, **batch)
+            result = runner.verify(n, _context(mode, batch), **batch)
             assert result.replayed == (n <= 16), (mode, n)
             assert result.size == runner.bucket(n)
             assert result.max_abs_diff == 0.0, (mode, n, result)
             assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * result.scale, (mode, n, result)
-        if mode == "tc_piecewise":
-            assert runner.backend.recompiles == 0
+        if mode == "tc_piecewise":  # compiled once for every size; nothing recompiled at run time
+            assert (runner.inspect()["compiles"], runner.inspect()["recompiles"]) == (1, 0)
 
 
+@pytest.mark.parametrize("attention", ["paged", "sdpa"])
 @pytest.mark.parametrize("mode", STRATEGIES)
-def test_prefill_equals_eager_packed_requests(model, mode):
+def test_prefill_equals_eager_packed_requests(request, mode, attention):
+    model = _model_for(request, attention)
     with prefill_runner(model, mode=mode, sizes=PREFILL_SIZES) as runner:
         runner.capture()
-        for lens in ([16], [5, 9], [20, 12], [30, 34], [64, 64], [100, 40]):
-            batch = make_prefill_batch(model, lens, seed=len(lens))
-            result = runner.verify(sum(lens), prefill_context(lens), **batch)
+        for lens in ([16], [5, 9], [20, 12], [30, 34], [64, 64], [100, 40], [7] * 12):
+            prefixes = [(37 * r) % 200 for r in range(len(lens))]
+            batch = make_prefill_batch(model, lens, prefix_lens=prefixes, seed=len(lens))
+            result = runner.verify(sum(lens), _context(mode, batch), **batch)
             assert result.replayed == (sum(lens) <= 128), (mode, lens)
             assert result.max_abs_diff == 0.0, (mode, lens, result)
             assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * result.scale, (mode, lens, result)
@@ -169,6 +201,64 @@ def test_eager_fallback_past_the_largest_size(model, mode):
         assert runner.verify(3, None, **make_decode_batch(model, 3)).max_abs_diff == 0.0
 
 
+# -- full graphs over the paged kernels: any batch composition of one key --------------------------------
+def test_paged_full_decode_replays_any_batch_composition(model):
+    """One decode graph per key replays every batch that pads to it: the kernels read block tables and
+    lengths from device memory, so nothing of the capture-time batch is baked in."""
+    rng = random.Random(0)
+    with decode_runner(model, mode="full", sizes=[8, 32]) as runner:
+        runner.capture()
+        for step in range(24):
+            n = rng.randint(17, 32) if step % 2 else rng.randint(1, 8)
+            lens = [rng.choice([1, 15, 16, 17, rng.randint(1, 512)]) for _ in range(n)]
+            batch = make_decode_batch(model, n, seq_lens=lens, seed=step)
+            result = runner.verify(n, None, **batch)
+            assert result.key == GraphKey.of(8 if n <= 8 else 32, {REQUESTS: 8 if n <= 8 else 32})
+            assert result.max_abs_diff == 0.0, (n, lens, result)
+            assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * result.scale, (n, result)
+
+
+def test_paged_full_packed_prefill_replays_any_batch_composition(model):
+    """Packed multi-request prefill under ``full``: one graph per key (128 tokens, up to 8 requests)
+    replays any split into requests, fresh prompts and later chunks alike."""
+    rng = random.Random(1)
+    with prefill_runner(model, mode="full", sizes=[64, 128], axes={REQUESTS: 8}) as runner:
+        runner.capture()
+        assert GraphKey.of(128, {REQUESTS: 8}) in runner.keys
+        for step in range(24):
+            requests = rng.randint(1, 8)
+            total = rng.randint(max(65, requests), 128)
+            cuts = sorted(rng.sample(range(1, total), requests - 1))
+            lens = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+            prefixes = [rng.choice([0, 0, rng.randint(1, 512 - q)]) for q in lens]
+            batch = make_prefill_batch(model, lens, prefix_lens=prefixes, seed=step)
+            result = runner.verify(total, None, **batch)
+            assert result.key == GraphKey.of(128, {REQUESTS: 8}), (lens, result.key)
+            assert result.max_abs_diff == 0.0, (lens, prefixes, result)
+            assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * result.scale, (lens, result)
+
+
+def test_paged_full_verify_k3_replays_any_batch_composition(model):
+    """Speculative-decoding verify steps, 1 + 3 tokens per request, under ``full``."""
+    rng = random.Random(2)
+    with verify_runner(model, 4, mode="full", sizes=[16, 32]) as runner:
+        runner.capture()
+        assert runner.keys == [GraphKey.of(16, {REQUESTS: 4}), GraphKey.of(32, {REQUESTS: 8})]
+        for step in range(16):
+            requests = rng.randint(1, 8)
+            batch = make_verify_batch(model, requests, 4, seed=step)
+            result = runner.verify(4 * requests, None, **batch)
+            assert result.replayed and result.max_abs_diff == 0.0, (requests, result)
+            assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * result.scale, (requests, result)
+
+
+def test_paged_attention_runs_the_triton_kernels_on_the_gpu():
+    """The premise of the tests above on a GPU: ``kernels="auto"`` picks Triton when it imports."""
+    if not ON_CUDA:
+        pytest.skip("the Triton kernels need a GPU")
+    assert "triton" in available_backends(), "triton does not import on this GPU machine"
+
+
 # -- conformance: a stale input is caught --------------------------------------------------------------
 @pytest.mark.parametrize("mode", STRATEGIES)
 def test_stale_input_outside_the_static_buffers_is_caught_by_verify(model, mode):
@@ -177,8 +267,8 @@ def test_stale_input_outside_the_static_buffers_is_caught_by_verify(model, mode)
     difference shows up as a non-zero ``max_abs_diff``: the check every backend is held to."""
     state = {"bias": torch.zeros(model.config.vocab_size, dtype=model.config.dtype, device=DEVICE)}
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor) -> torch.Tensor:
-        return model.decode_step(input_ids, positions, req_slots) + state["bias"]
+    def forward(**batch: torch.Tensor) -> torch.Tensor:
+        return model.decode_step(**batch) + state["bias"]
 
     runner = GraphRunner(
         forward, phase="decode", inputs=reference_inputs(model), sizes=[2, 4], device=DEVICE, mode=mode
@@ -197,11 +287,11 @@ def test_stale_input_outside_the_static_buffers_is_caught_by_verify(model, mode)
 @pytest.mark.parametrize("mode", STRATEGIES)
 def test_capture_failure_names_the_size_and_releases_everything(model, mode):
     """``.item()`` (a host sync) at batch size 4 only: sizes 16 and 8 capture, 4 fails; the error names
-    size 4 and nothing captured survives, in the backend or in device memory."""
+    the key of size 4 and nothing captured survives, in the backend or in device memory."""
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor) -> torch.Tensor:
-        logits = model.decode_step(input_ids, positions, req_slots)
-        if input_ids.shape[0] == 4:
+    def forward(**batch: torch.Tensor) -> torch.Tensor:
+        logits = model.decode_step(**batch)
+        if batch["input_ids"].shape[0] == 4:
             logits = logits + logits[0, 0].item()
         return logits
 
@@ -219,7 +309,7 @@ def test_capture_failure_names_the_size_and_releases_everything(model, mode):
         runner.capture()
     error = info.value
     assert error.size == 4
-    assert "size 4" in str(error) and "graph_break" in str(error), str(error)
+    assert "tokens=4" in str(error) and "graph_break" in str(error), str(error)
     assert runner.backend.captured_keys() == []
     del info, error  # the traceback holds the failed capture's tensors
     assert_released(base_allocated, base_reserved)
@@ -233,10 +323,10 @@ def test_capture_failure_names_the_size_and_releases_everything(model, mode):
 def test_out_of_memory_during_capture_gives_advice(model, mode):
     """An allocation the device cannot hold, made only while capturing size 4."""
 
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor, req_slots: torch.Tensor) -> torch.Tensor:
-        if devgraph.is_capturing() and input_ids.shape[0] == 4:
-            torch.empty(1 << 42, dtype=torch.uint8, device=input_ids.device)  # 4 TiB
-        return model.decode_step(input_ids, positions, req_slots)
+    def forward(**batch: torch.Tensor) -> torch.Tensor:
+        if devgraph.is_capturing() and batch["input_ids"].shape[0] == 4:
+            torch.empty(1 << 42, dtype=torch.uint8, device=DEVICE)  # 4 TiB
+        return model.decode_step(**batch)
 
     runner = GraphRunner(
         forward, phase="decode", inputs=reference_inputs(model), sizes=[2, 4, 8], device=DEVICE, mode=mode
@@ -247,7 +337,7 @@ def test_out_of_memory_during_capture_gives_advice(model, mode):
         runner.capture()
     message = str(info.value)
     assert info.value.size == 4
-    assert "out of device memory" in message and "max_size" in message and "decode=disabled" in message
+    assert "out of memory" in message and "max_size" in message and "decode=disabled" in message
     assert runner.backend.captured_keys() == []
     del info
     assert_released(base_allocated, base_reserved)
@@ -270,7 +360,36 @@ def test_close_returns_the_graph_memory(model, mode):
     assert_released(base_allocated, base_reserved, held)
 
 
-# -- break ops read live state -------------------------------------------------------------------------
+def _prefill_graph_memory(model: ReferenceModel, mode: str, sizes: list[int]) -> tuple[int, GraphRunner]:
+    """Reserved-memory growth across capture (after empty_cache) and the captured runner."""
+    settle()
+    base = reserved()
+    runner = prefill_runner(model, mode=mode, sizes=sizes, axes={REQUESTS: 4})
+    runner.capture()
+    settle()
+    return reserved() - base, runner
+
+
+def test_break_op_graph_memory_is_shared_across_sizes(sdpa_model):
+    """Break-op tensors live in the shared graph pool and are reused by every size, so the break-op modes
+    hold about what ``full`` holds for the same prefill sizes (each size keeping its own break-op tensors
+    cost 9.3 x); ``close()`` gives all of it back."""
+    sizes = [64, 128, 256, 512]
+    held: dict[str, int] = {}
+    for mode in STRATEGIES:
+        settle()
+        base_allocated, base_reserved = allocated(), reserved()
+        held[mode], runner = _prefill_graph_memory(sdpa_model, mode, sizes)
+        batch = make_prefill_batch(sdpa_model, [200, 100])
+        assert runner.verify(300, _context(mode, batch), **batch).max_abs_diff == 0.0
+        runner.close()
+        assert_released(base_allocated, base_reserved, held[mode])
+    assert held["full"] > 0, held
+    for mode in ("breakable", "tc_piecewise"):
+        assert held[mode] <= 1.25 * held["full"], (mode, {m: b / 2**20 for m, b in held.items()})
+
+
+# -- break ops -----------------------------------------------------------------------------------------
 @graph_break("devgraph_test_cuda::scale_by_context")
 def scale_by_context(x: torch.Tensor) -> torch.Tensor:
     """Multiplies by the live context's ``scale`` (a host float that changes per step)."""
@@ -283,7 +402,7 @@ def _scaled(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
-def test_break_ops_read_the_live_forward_context(model, mode):
+def test_break_ops_read_the_live_forward_context(mode):
     runner = GraphRunner(
         _scaled,
         phase="decode",
@@ -319,6 +438,75 @@ def test_full_bakes_the_capture_time_context_into_the_graph():
         torch.testing.assert_close(out, (torch.sin(x) + 1.0) * 2.0)
 
 
+@graph_break("devgraph_test_cuda::mix_rows")
+def mix_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every output row depends on every row before it, so a row read from another size's memory shows."""
+    return torch.cumsum(x, dim=0) * 0.5 + x
+
+
+@graph_break("devgraph_test_cuda::shift_rows")
+def shift_rows(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Row i gets row i - 1 (row 0 gets zeros): real rows never read the padding rows after them."""
+    return torch.cat([torch.zeros_like(x[:1]), x[:-1]]) - bias
+
+
+def _chained_breaks(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    # Two break ops back to back (the second reads the first's output, a weak alias into the pool).
+    return torch.tanh(shift_rows(mix_rows(x * 1.5), bias)) + x
+
+
+def _replay_in_random_orders(runner: GraphRunner, steps: dict[int, tuple[Any, dict[str, Any]]]) -> None:
+    order = list(steps)
+    rng = random.Random(0)
+    for _ in range(6):
+        rng.shuffle(order)
+        for n in order:
+            context, batch = steps[n]
+            result = runner.verify(n, context, **batch)
+            assert result.max_abs_diff == 0.0, (order, n, result)
+            assert result.max_abs_diff_unpadded <= UNPADDED_RTOL * max(result.scale, 1.0), (order, n, result)
+
+
+@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+def test_break_op_aliases_replay_exactly_in_any_size_order(mode):
+    """Break-op arguments and outputs are weak aliases into the graph pool that other sizes reuse once
+    dead: replaying sizes in random orders, interleaved with eager steps, must stay exact."""
+    runner = GraphRunner(
+        _chained_breaks,
+        phase="prefill",
+        mode=mode,
+        sizes=[16, 64, 256, 1024],
+        device=DEVICE,
+        inputs={"x": StaticInput(torch.float32, (256,)), "bias": StaticInput(torch.float32, (256,))},
+    )
+    with runner:
+        runner.capture()
+        gen = torch.Generator().manual_seed(0)
+        steps: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for n in (3, 16, 40, 64, 200, 256, 700, 1024, 1500):
+            x, bias = (torch.randn(n, 256, generator=gen).to(DEVICE) for _ in range(2))
+            steps[n] = (None, {"x": x, "bias": bias})
+        _replay_in_random_orders(runner, steps)
+
+
+@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+def test_reference_break_ops_replay_exactly_in_any_size_order(sdpa_model, mode):
+    with prefill_runner(sdpa_model, mode=mode, sizes=[32, 64, 128, 256], axes={REQUESTS: 8}) as runner:
+        runner.capture()
+        steps = {}
+        for lens in ([5], [20, 12], [30, 34, 1], [100, 28], [64, 64, 64, 50], [300]):
+            batch = make_prefill_batch(sdpa_model, lens, seed=len(lens))
+            steps[sum(lens)] = (batch_context(batch), batch)
+        _replay_in_random_orders(runner, steps)
+    with decode_runner(sdpa_model, mode=mode, sizes=DECODE_SIZES) as runner:
+        runner.capture()
+        steps = {}
+        for n in (1, 3, 8, 13, 16, 20):
+            batch = make_decode_batch(sdpa_model, n, seed=n)
+            steps[n] = (batch_context(batch), batch)
+        _replay_in_random_orders(runner, steps)
+
+
 # -- capture-time behaviour ----------------------------------------------------------------------------
 @graph_break("devgraph_test_cuda::probe")
 def probe(x: torch.Tensor) -> torch.Tensor:
@@ -352,8 +540,9 @@ def test_capture_is_largest_first_on_one_stream_and_pool_with_gc_frozen_and_a_re
     with runner:
         report = runner.capture()
         seen = list(PROBES)
-        # Warm-ups (2 per size) and the capture itself, largest size first.
-        assert [size for size, _, _ in seen] == [s for s in reversed(sizes) for _ in range(3)]
+        # Warm-ups and the capture itself, largest size first.
+        per_size = runner.warmup_iters + 1
+        assert [size for size, _, _ in seen] == [s for s in reversed(sizes) for _ in range(per_size)]
         capture_stream = seen[0][1]
         assert all(stream == capture_stream for _, stream, _ in seen), "warm-up and capture left the stream"
         assert capture_stream != platform.current_stream(), "captured on the stream the engine runs on"

@@ -13,6 +13,8 @@ import sys
 import pytest
 from fakes_common import ROOT
 
+from devgraph.testing import check_names
+
 EXAMPLE = ROOT / "docs" / "examples" / "devgraph-example-plugin"
 
 
@@ -94,7 +96,38 @@ def test_passes_the_kit_through_pytest(installed):
         "cpu:example_full",
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "10 passed" in run.stdout, run.stdout
+    # One test per check of the kit, every one passed (none skipped: the CPU simulator can run them all).
+    assert f"{len(check_names())} passed" in run.stdout, run.stdout
+    assert "skipped" not in run.stdout and "failed" not in run.stdout, run.stdout
+
+
+def test_backend_serves_a_runner_and_reports_its_counters(installed):
+    """The backend implements the ABC a runner drives: keys are GraphKeys, and what describe_key adds
+    (replays per key) shows up in inspect()."""
+    code = (
+        "import json, torch\n"
+        "from devgraph import GraphRunner, StaticInput\n"
+        "runner = GraphRunner(lambda x: x * 2 + 1, phase='decode', mode='example_full', device='cpu',\n"
+        "                     inputs={'x': StaticInput(torch.float32, (3,))}, sizes=[2, 4], progress=False)\n"
+        "runner.capture()\n"
+        "for n in (1, 2, 3, 3, 5):\n"
+        "    x = torch.arange(n * 3.0).reshape(n, 3)\n"
+        "    assert torch.equal(runner.run(x=x), x * 2 + 1)\n"
+        "info = runner.inspect()\n"
+        "runner.close()\n"
+        "print(json.dumps({'backend': type(runner.backend).__name__,\n"
+        "                  'replays': {k: v['replays'] for k, v in info['keys'].items()},\n"
+        "                  'after_close': len(runner.backend.replays)}))\n"
+    )
+    run = _run(installed, "-c", code)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # n=1 and n=2 replay the size-2 graph, n=3 twice the size-4 graph; n=5 is past the largest: eager.
+    assert result == {
+        "backend": "ExampleFullBackend",
+        "replays": {"tokens=2": 2, "tokens=4": 2},
+        "after_close": 0,
+    }
 
 
 def test_passes_the_kit_from_code(installed):

@@ -20,7 +20,7 @@ import torch
 from fakes_common import ROOT, ensure_plugins_importable, plugin_registry
 
 import devgraph
-from devgraph import CaptureError, ConfigError, GraphRunner, StaticInput
+from devgraph import CaptureError, ConfigError, GraphKey, GraphRunner, StaticInput
 from devgraph._info import collect_info
 from devgraph.errors import BackendUnavailableError, DevGraphError
 
@@ -218,7 +218,7 @@ def _runner(registry, model, **options):
         sizes=[2, 4],
         backend=backend,
         progress=False,
-        capture_context=lambda size: Lens([SEQ] * size),
+        capture_context=lambda key: Lens([SEQ] * key.tokens),
     )
 
 
@@ -234,7 +234,7 @@ def test_host_update_reissues_attention_with_live_lengths(fake, registry):
     model = AttentionModel()
     runner = _runner(registry, model)
     runner.capture()
-    graph = runner.backend._entries[4].graph
+    graph = runner.backend._entries[GraphKey.of(4)].graph
     assert graph.auto_dispatch_capture and len(graph.graph_dispatch_mode.graph_dispatch_records) == 1
     for seed in range(3):
         step = _step(3, seed)
@@ -286,7 +286,7 @@ def test_host_update_names_op_keyword(fake, registry):
         sizes=[2, 4],
         backend=backend,
         progress=False,
-        capture_context=lambda size: Lens([SEQ] * size),
+        capture_context=lambda key: Lens([SEQ] * key.tokens),
     )
     runner.capture()
     step = _step(2, 3)
@@ -313,7 +313,7 @@ def test_stream_exhaustion_fails_capture_with_the_fix_and_releases(monkeypatch, 
             sizes=[1, 2, 4],
             backend=NpuFullGraphBackend(platform, phase="decode"),
             progress=False,
-            capture_context=lambda size: Lens([SEQ] * size),
+            capture_context=lambda key: Lens([SEQ] * key.tokens),
         )
         with pytest.raises(CaptureError) as err:
             runner.capture()

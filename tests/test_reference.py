@@ -1,93 +1,42 @@
-"""Tests of the reference model (devgraph/reference): tiny preset, CPU, fast."""
+"""The reference model's configuration, weights, example batches, contexts, static inputs and runners
+(devgraph/reference: config.py, inputs.py, runners.py); tiny preset, CPU. What the paged model computes is
+tested in test_paged_model.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from devgraph.breaks import is_break_target
-from devgraph.context import forward_context
 from devgraph.errors import ConfigError
+from devgraph.keys import REQUESTS, TOKENS
 from devgraph.reference import (
+    ATTENTION_MODES,
     PRESET_NAMES,
     ReferenceConfig,
     ReferenceModel,
     StepContext,
-    attention,
+    batch_context,
     decode_context,
+    decode_runner,
     make_decode_batch,
     make_prefill_batch,
+    make_verify_batch,
     padding_fill,
     prefill_context,
+    prefill_runner,
+    reference_inputs,
+    verify_runner,
 )
 
-# ---------------------------------------------------------------------------------------------- fixtures
-
 
 @pytest.fixture
-def config() -> ReferenceConfig:
-    return ReferenceConfig.preset("tiny")
+def model(tiny_config: ReferenceConfig) -> ReferenceModel:
+    return ReferenceModel(tiny_config, device="cpu", seed=0)
 
 
-def _model(config: ReferenceConfig, *, seed: int = 0, cache_seed: int | None = 0) -> ReferenceModel:
-    model = ReferenceModel(config, device="cpu", seed=seed)
-    if cache_seed is not None:
-        model.randomize_cache(cache_seed)
-    return model
-
-
-@pytest.fixture
-def model(config: ReferenceConfig) -> ReferenceModel:
-    """A tiny model whose cache holds random history (a fresh one per test: steps write the cache)."""
-    return _model(config)
-
-
-@pytest.fixture
-def twin(config: ReferenceConfig) -> ReferenceModel:
-    """Same weights and same cache as ``model``."""
-    return _model(config)
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-
-def _caches(model: ReferenceModel) -> list[torch.Tensor]:
-    return [*model.k_cache, *model.v_cache]
-
-
-def _pad(batch: dict[str, torch.Tensor], fill: dict[str, int], size: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in batch.items():
-        pad = torch.full((size - t.shape[0],), fill[name], dtype=t.dtype, device=t.device)
-        out[name] = torch.cat([t, pad])
-    return out
-
-
-class _NoHostSync(TorchDispatchMode):
-    """Fails on any op a device graph cannot capture: host syncs and data-dependent shapes."""
-
-    FORBIDDEN = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::item"}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        name = func._schema.name
-        assert name not in self.FORBIDDEN, f"{name} is not graph-capturable"
-        if name in ("aten::index", "aten::index_put", "aten::index_put_"):
-            indices = args[1]
-            assert not any(i is not None and i.dtype == torch.bool for i in indices), "boolean-mask indexing"
-        return func(*args, **kwargs)
-
-
-class _RecordGraphs:
-    """A ``torch.compile`` backend that behaves like ``eager`` and keeps the FX graphs it was given."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
-        self.graphs.append(gm)
-        return gm.forward
+def _slot(batch: dict[str, torch.Tensor], request: int, position: int, block_size: int) -> int:
+    """The flat cache slot of ``position`` in ``request``, read from its block table."""
+    return int(batch["block_tables"][request, position // block_size]) * block_size + position % block_size
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -96,6 +45,7 @@ class _RecordGraphs:
 def test_presets() -> None:
     tiny = ReferenceConfig.preset("tiny")
     assert (tiny.num_layers, tiny.hidden_size, tiny.dtype) == (2, 64, torch.float32)
+    assert (tiny.attention, tiny.kernels, tiny.block_size) == ("paged", "auto", 16)
     qwen = ReferenceConfig.preset("qwen3-0.6b", max_seq_len=512)
     assert (qwen.num_layers, qwen.vocab_size, qwen.dtype, qwen.max_seq_len) == (
         28,
@@ -103,8 +53,20 @@ def test_presets() -> None:
         torch.bfloat16,
         512,
     )
+    assert qwen.hidden_size != qwen.num_heads * qwen.head_dim  # as in Qwen3: the projections carry it
     assert ReferenceConfig.preset("tiny", dtype="bf16").dtype == torch.bfloat16
     assert set(PRESET_NAMES) == {"tiny", "qwen3-0.6b"}
+    assert set(ATTENTION_MODES) == {"paged", "sdpa"}
+
+
+def test_paged_cache_geometry() -> None:
+    tiny = ReferenceConfig.preset("tiny")
+    assert tiny.max_blocks_per_request == tiny.max_seq_len // tiny.block_size
+    # Enough blocks for max_requests full-length requests, plus the scratch block 0.
+    assert tiny.total_blocks == 1 + tiny.max_requests * tiny.max_blocks_per_request
+    assert ReferenceConfig.preset("tiny", num_blocks=9).total_blocks == 9
+    assert ReferenceConfig.preset("tiny", max_seq_len=40).max_blocks_per_request == 3  # rounded up
+    assert tiny.kv_groups == tiny.num_heads // tiny.num_kv_heads
 
 
 def test_unknown_preset_lists_accepted_names() -> None:
@@ -121,6 +83,11 @@ def test_unknown_preset_lists_accepted_names() -> None:
         ({"dtype": torch.int32}, "floating"),
         ({"dtype": "fp8"}, "unknown dtype"),
         ({"hidden": 64}, "unknown ReferenceConfig field"),
+        ({"block_size": 24}, "power of two >= 16"),
+        ({"block_size": 8}, "power of two >= 16"),
+        ({"num_blocks": 1}, "num_blocks must be an int >= 2"),
+        ({"attention": "flash"}, "attention 'flash' is unknown; accepted: paged, sdpa"),
+        ({"kernels": "cuda"}, "kernels 'cuda' is unknown; accepted: auto, triton, torch"),
     ],
 )
 def test_bad_config_raises(overrides: dict[str, object], match: str) -> None:
@@ -128,220 +95,175 @@ def test_bad_config_raises(overrides: dict[str, object], match: str) -> None:
         ReferenceConfig.preset("tiny", **overrides)
 
 
-# ---------------------------------------------------------------------------------------------- model
+# ---------------------------------------------------------------------------------------------- weights
 
 
-def test_shapes_and_dtypes(model: ReferenceModel, config: ReferenceConfig) -> None:
-    cache_shape = (config.max_requests + 1, config.max_seq_len, config.num_kv_heads, config.head_dim)
-    assert len(model.k_cache) == len(model.v_cache) == config.num_layers
-    assert all(c.shape == cache_shape and c.dtype == config.dtype for c in (*model.k_cache, *model.v_cache))
-    assert model.padding_slot == config.max_requests
-
-    batch = make_decode_batch(model, 6)
-    assert all(t.shape == (6,) and t.dtype == torch.int64 for t in batch.values())
-    logits = model.decode_step(**batch)
-    assert logits.shape == (6, config.vocab_size) and logits.dtype == config.dtype
-    assert torch.isfinite(logits).all()
-
-    batch = make_prefill_batch(model, [3, 5])
-    assert batch["positions"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
-    hidden = model.prefill_step(**batch)
-    assert hidden.shape == (8, config.hidden_size) and hidden.dtype == config.dtype
-    assert model.compute_logits(hidden[[2, 7]]).shape == (2, config.vocab_size)
+def test_shapes_and_dtypes(model: ReferenceModel, tiny_config: ReferenceConfig) -> None:
+    c = tiny_config
+    cache_shape = (c.total_blocks, c.block_size, c.num_kv_heads, c.head_dim)
+    assert len(model.k_cache) == len(model.v_cache) == c.num_layers
+    assert all(t.shape == cache_shape and t.dtype == c.dtype for t in (*model.k_cache, *model.v_cache))
+    assert model.padding_slot == 0  # in the scratch block 0, which no request owns
+    assert all(not p.requires_grad for p in model.parameters())
+    # The caches are buffers outside the state dict: it holds the weights only.
+    assert not any("cache" in name for name in model.state_dict())
 
 
-def test_bf16_stays_finite() -> None:
-    model = _model(ReferenceConfig.preset("tiny", dtype=torch.bfloat16, num_layers=8))
-    logits = model.decode_step(**make_decode_batch(model, 4))
-    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-
-
-def test_same_seed_same_weights(config: ReferenceConfig) -> None:
-    a, b, c = (ReferenceModel(config, seed=s).state_dict() for s in (7, 7, 8))
+def test_same_seed_same_weights(tiny_config: ReferenceConfig) -> None:
+    a, b, c = (ReferenceModel(tiny_config, seed=s).state_dict() for s in (7, 7, 8))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["embed"], c["embed"])
 
 
-def test_decode_ignores_cache_beyond_position(model: ReferenceModel, twin: ReferenceModel) -> None:
-    batch = make_decode_batch(model, 8, seed=3)
-    # In twin, replace every cache entry no row may see (other slots, later positions) by large noise.
-    rows = torch.zeros(model.config.max_requests + 1, model.config.max_seq_len, dtype=torch.bool)
-    for slot, pos in zip(batch["req_slots"].tolist(), batch["positions"].tolist(), strict=True):
-        rows[slot, :pos] = True
-    generator = torch.Generator().manual_seed(1)
-    for cache in _caches(twin):
-        noise = torch.randn(cache.shape, generator=generator) * 100
-        cache.copy_(torch.where(rows[:, :, None, None], cache, noise))
-
-    torch.testing.assert_close(twin.decode_step(**batch), model.decode_step(**batch), rtol=1e-5, atol=1e-5)
+def test_cache_is_zero_until_randomized_and_clear_cache_zeroes_it(model: ReferenceModel) -> None:
+    caches = [*model.k_cache, *model.v_cache]
+    assert all(not t.any() for t in caches)  # zeros, never uninitialised memory
+    model.randomize_cache(seed=3)
+    first = [t.clone() for t in caches]
+    assert all(t.std() > 0.5 for t in first)
+    model.randomize_cache(seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(first, caches, strict=True))  # reproducible
+    model.clear_cache()
+    assert all(not t.any() for t in caches)
 
 
-def test_decode_attends_to_history(model: ReferenceModel, twin: ReferenceModel) -> None:
-    """Guards the test above against passing vacuously: visible history does matter."""
-    batch = make_decode_batch(model, 4, seed=3)
-    for cache in twin.k_cache:
-        cache.mul_(-1)
-    assert not torch.allclose(twin.decode_step(**batch), model.decode_step(**batch))
+# ---------------------------------------------------------------------------------------------- batches
 
 
-def test_packed_prefill_matches_separate_requests(model: ReferenceModel, twin: ReferenceModel) -> None:
-    batch = make_prefill_batch(model, [3, 5], seed=2)
-    packed = model.prefill_step(**batch)
-    separate = torch.cat(
-        [twin.prefill_step(**{name: t[s] for name, t in batch.items()}) for s in (slice(0, 3), slice(3, 8))]
-    )
-    torch.testing.assert_close(packed, separate, rtol=0, atol=1e-5)
-    for a, b in zip(_caches(model), _caches(twin), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+def test_decode_batch_layout(model: ReferenceModel, tiny_config: ReferenceConfig) -> None:
+    c = tiny_config
+    batch = make_decode_batch(model, 4, seq_lens=[1, 16, 17, 40], seed=1)
+    assert {n: (tuple(t.shape), t.dtype) for n, t in batch.items()} == {
+        "input_ids": ((4,), torch.int64),
+        "positions": ((4,), torch.int64),
+        "slot_mapping": ((4,), torch.int64),
+        "block_tables": ((4, c.max_blocks_per_request), torch.int32),
+        "seq_lens": ((4,), torch.int32),
+    }
+    assert batch["seq_lens"].tolist() == [1, 16, 17, 40]
+    assert batch["positions"].tolist() == [0, 15, 16, 39]  # the new token is the last of each sequence
+    tables = batch["block_tables"]
+    for r, length in enumerate([1, 16, 17, 40]):
+        blocks = -(-length // c.block_size)
+        assert (tables[r, :blocks] > 0).all() and not tables[r, blocks:].any()  # block 0 never owned
+        assert int(batch["slot_mapping"][r]) == _slot(batch, r, length - 1, c.block_size)
+    owned = tables[tables > 0].tolist()
+    assert len(owned) == len(set(owned))  # every request has blocks of its own
+    assert make_decode_batch(model, 3, seq_lens=9)["seq_lens"].tolist() == [9, 9, 9]
+    random_lens = make_decode_batch(model, 16, seed=2)["seq_lens"]
+    assert ((random_lens >= 1) & (random_lens <= c.max_seq_len)).all() and random_lens.unique().numel() > 1
 
 
-def test_prefill_writes_the_cache_decode_reads(model: ReferenceModel, twin: ReferenceModel) -> None:
-    """Prefill of L tokens then decode of token L equals prefill of all L + 1 tokens."""
-    batch = make_prefill_batch(model, [6], seed=4)
-    full = model.prefill_step(**batch)
-    twin.prefill_step(**{name: t[:5] for name, t in batch.items()})
-    logits = twin.decode_step(**{name: t[5:] for name, t in batch.items()})
-    torch.testing.assert_close(logits, model.compute_logits(full[5:]), rtol=0, atol=1e-5)
+def test_prefill_and_verify_batch_layout(model: ReferenceModel, tiny_config: ReferenceConfig) -> None:
+    bs = tiny_config.block_size
+    batch = make_prefill_batch(model, [3, 5], prefix_lens=[0, 20], seed=4)
+    assert batch["positions"].tolist() == [0, 1, 2, 20, 21, 22, 23, 24]
+    assert batch["cu_seqlens_q"].tolist() == [0, 3, 8] and batch["cu_seqlens_q"].dtype == torch.int32
+    assert batch["seq_lens"].tolist() == [3, 25]  # prefix + new tokens
+    request = [0, 0, 0, 1, 1, 1, 1, 1]
+    expected = [_slot(batch, r, p, bs) for r, p in zip(request, batch["positions"].tolist(), strict=True)]
+    assert batch["slot_mapping"].tolist() == expected
+
+    verify = make_verify_batch(model, 3, 4, seed=5)
+    assert verify["cu_seqlens_q"].tolist() == [0, 4, 8, 12]
+    first = verify["positions"].view(3, 4)[:, 0]
+    assert torch.equal(verify["positions"].view(3, 4), first[:, None] + torch.arange(4))
+    assert torch.equal(verify["seq_lens"].long(), first + 4)
 
 
-def test_decode_padding_rows_are_harmless(model: ReferenceModel, twin: ReferenceModel) -> None:
-    batch = make_decode_batch(model, 5, seed=5)
-    padded = _pad(batch, padding_fill(model), 8)
-    assert padded["req_slots"][5:].eq(model.padding_slot).all()
-    torch.testing.assert_close(
-        twin.decode_step(**padded)[:5], model.decode_step(**batch), rtol=1e-5, atol=1e-5
-    )
-    live = slice(0, model.padding_slot)  # padding rows touched only the padding slot
-    for a, b in zip(_caches(model), _caches(twin), strict=True):
-        torch.testing.assert_close(a[live], b[live], rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda m: make_decode_batch(m, m.config.max_requests + 1), "batch_size must be in"),
+        (lambda m: make_decode_batch(m, 0), "batch_size must be in"),
+        (lambda m: make_decode_batch(m, 2, seq_lens=[0, 4]), "must be ints in"),
+        (lambda m: make_decode_batch(m, 2, seq_lens=[3]), "1 entries for a batch of 2"),
+        (lambda m: make_prefill_batch(m, [3, m.config.max_seq_len + 1]), "must be ints in"),
+        (lambda m: make_prefill_batch(m, [4], prefix_lens=[m.config.max_seq_len]), "prefix \\+ query"),
+        (lambda m: make_prefill_batch(m, [4, 4], prefix_lens=[1]), "one length >= 0 per request"),
+        (lambda m: make_prefill_batch(m, [1] * (m.config.max_requests + 1)), "takes up to"),
+        (lambda m: make_verify_batch(m, 2, m.config.max_seq_len + 1), "exceeds max_seq_len"),
+    ],
+)
+def test_bad_batches_raise(model: ReferenceModel, make, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=match):
+        make(model)
 
 
-def test_prefill_padding_rows_are_harmless(model: ReferenceModel, twin: ReferenceModel) -> None:
-    batch = make_prefill_batch(model, [3, 5], seed=6)
-    padded = _pad(batch, padding_fill(model), 12)
-    torch.testing.assert_close(
-        twin.prefill_step(**padded)[:8], model.prefill_step(**batch), rtol=1e-5, atol=1e-5
-    )
+def test_a_batch_larger_than_the_cache_is_refused() -> None:
+    small = ReferenceModel(ReferenceConfig.preset("tiny", num_blocks=4), seed=0)
+    with pytest.raises(ConfigError, match="needs 4 KV blocks but the cache has 3"):
+        make_decode_batch(small, 2, seq_lens=[32, 32])
 
 
-def test_max_seq_len_context_trims_without_changing_decode(model: ReferenceModel) -> None:
-    batch = make_decode_batch(model, 8, seed=7)
-    context = decode_context(batch)
-    assert context.max_seq_len == int(batch["positions"].max()) + 1 < model.config.max_seq_len
-    full = model.decode_step(**batch)
-    with forward_context(context):
-        trimmed = model.decode_step(**batch)
-    torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-5)
-    # The context really is read: a window shorter than a position drops visible history.
-    with forward_context(StepContext(max_seq_len=1)):
-        assert not torch.allclose(model.decode_step(**batch), full)
-    # Prefill ignores it.
-    prefill = make_prefill_batch(model, [4, 2])
-    expected = model.prefill_step(**prefill)
-    with forward_context(StepContext(max_seq_len=1)):
-        torch.testing.assert_close(model.prefill_step(**prefill), expected, rtol=0, atol=0)
+# ---------------------------------------------------------------------------------------------- contexts
 
 
-def test_contexts_and_fill(model: ReferenceModel) -> None:
-    batch = {"positions": torch.tensor([4, 9, 1])}
-    assert decode_context(batch) == StepContext(max_seq_len=10, seq_lens=[5, 10, 2])
-    assert prefill_context([3, 5]) == StepContext(max_seq_len=5, seq_lens=[3, 5])
-    assert padding_fill(model) == {"input_ids": 0, "positions": 0, "req_slots": model.config.max_requests}
-    with pytest.raises(ConfigError):
-        make_decode_batch(model, model.config.max_requests + 1)
-    with pytest.raises(ConfigError):
-        make_prefill_batch(model, [3, model.config.max_seq_len + 1])
+def test_contexts_carry_the_host_lengths(model: ReferenceModel) -> None:
+    decode = make_decode_batch(model, 3, seq_lens=[5, 10, 2])
+    assert batch_context(decode) == StepContext(seq_lens=[5, 10, 2], cu_seqlens_q=None)
+    prefill = make_prefill_batch(model, [3, 5], prefix_lens=[1, 0])
+    assert batch_context(prefill) == StepContext(seq_lens=[4, 5], cu_seqlens_q=[0, 3, 8])
+    assert all(isinstance(n, int) for n in batch_context(prefill).seq_lens or [])
+    # The old names are the same function now.
+    assert decode_context is batch_context and prefill_context is batch_context
 
 
-def test_steps_are_capturable(model: ReferenceModel) -> None:
-    """No host sync or data-dependent shape in the steps, nor inside the attention op's body."""
-    decode = make_decode_batch(model, 4)
-    prefill = make_prefill_batch(model, [3, 5])
-    with _NoHostSync():
-        model.decode_step(**decode)
-        model.prefill_step(**prefill)
-    # A dispatch mode sees a custom op as one call; run the body itself to inspect its aten ops.
-    c = model.config
-    q = torch.randn(8, c.num_heads, c.head_dim)
-    kv = torch.randn(8, c.num_kv_heads, c.head_dim)
-    caches = model.k_cache[0], model.v_cache[0]
-    with _NoHostSync():
-        for is_prefill, batch in ((False, decode), (True, prefill)):
-            n = batch["positions"].shape[0]
-            attention.fn(q[:n], kv[:n], kv[:n], *caches, batch["req_slots"], batch["positions"], is_prefill)
+# ---------------------------------------------------------------------------------------------- inputs
 
 
-def _naive_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One query row ``[H, D]`` against ``[L, KVH, D]`` keys/values, head by head."""
-    groups = q.shape[0] // keys.shape[1]
-    heads = []
-    for h in range(q.shape[0]):
-        k, v = keys[:, h // groups], values[:, h // groups]
-        weights = torch.softmax(k @ q[h] / q.shape[1] ** 0.5, dim=0)
-        heads.append(weights @ v)
-    return torch.stack(heads)
+def test_static_inputs_per_axis_and_their_fills(model: ReferenceModel) -> None:
+    fill = padding_fill(model)
+    assert fill == {
+        "input_ids": 0,
+        "positions": 0,
+        "slot_mapping": model.padding_slot,
+        "block_tables": 0,
+        "seq_lens": 0,
+        "cu_seqlens_q": "edge",
+    }
+    decode = reference_inputs(model, "decode")
+    assert set(decode) == {"input_ids", "positions", "slot_mapping", "block_tables", "seq_lens"}
+    for phase in ("prefill", "verify"):
+        packed = reference_inputs(model, phase)
+        assert set(packed) == {*decode, "cu_seqlens_q"}
+        cu = packed["cu_seqlens_q"]
+        assert (cu.axis, cu.extra_rows, cu.fill, cu.dtype) == (REQUESTS, 1, "edge", torch.int32)
+    axes = {name: spec.axis for name, spec in decode.items()}
+    assert axes == {
+        "input_ids": TOKENS,
+        "positions": TOKENS,
+        "slot_mapping": TOKENS,
+        "block_tables": REQUESTS,
+        "seq_lens": REQUESTS,
+    }
+    assert decode["block_tables"].shape == (model.config.max_blocks_per_request,)
+    assert all(spec.fill == fill[name] for name, spec in decode.items())
+    assert not any(spec.host for spec in decode.values())  # device metadata: capturable whole
+    # A batch matches its static inputs: dtypes and row shapes.
+    batch = make_prefill_batch(model, [2, 3])
+    packed = reference_inputs(model, "prefill")
+    assert all(batch[n].dtype == s.dtype and tuple(batch[n].shape[1:]) == s.shape for n, s in packed.items())
 
 
-@pytest.mark.parametrize("is_prefill", [False, True])
-def test_attention_matches_naive_loop(model: ReferenceModel, is_prefill: bool) -> None:
-    c = model.config
-    batch = make_prefill_batch(model, [3, 5], seed=8) if is_prefill else make_decode_batch(model, 6, seed=8)
-    slots, positions = batch["req_slots"], batch["positions"]
-    n = slots.shape[0]
-    generator = torch.Generator().manual_seed(9)
-    q = torch.randn(n, c.num_heads, c.head_dim, generator=generator)
-    k = torch.randn(n, c.num_kv_heads, c.head_dim, generator=generator)
-    v = torch.randn(n, c.num_kv_heads, c.head_dim, generator=generator)
-    k_cache, v_cache = model.k_cache[0], model.v_cache[0]
-    out = attention(q, k, v, k_cache, v_cache, slots, positions, is_prefill)
-    assert out.shape == q.shape and out.is_contiguous()
-    for i in range(n):
-        slot, pos = int(slots[i]), int(positions[i])
-        assert torch.equal(k_cache[slot, pos], k[i]) and torch.equal(v_cache[slot, pos], v[i])
-        if is_prefill:
-            seen = (slots == slot) & (positions <= pos)
-            expected = _naive_attention(q[i], k[seen], v[seen])
-        else:
-            expected = _naive_attention(q[i], k_cache[slot, : pos + 1], v_cache[slot, : pos + 1])
-        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+# ---------------------------------------------------------------------------------------------- runners
 
 
-def test_attention_op_registration(model: ReferenceModel) -> None:
-    """Schema, mutation annotations and the fake (shape function) agree with the real op."""
-    c = model.config
-    batch = make_decode_batch(model, 3)
-    args = (
-        torch.randn(3, c.num_heads, c.head_dim),
-        torch.randn(3, c.num_kv_heads, c.head_dim),
-        torch.randn(3, c.num_kv_heads, c.head_dim),
-        model.k_cache[0],
-        model.v_cache[0],
-        batch["req_slots"],
-        batch["positions"],
-        False,
-    )
-    torch.library.opcheck(
-        torch.ops.devgraph_ref.attention.default, args, test_utils=("test_schema", "test_faketensor")
-    )
-    assert is_break_target(torch.ops.devgraph_ref.attention.default)
-
-
-def test_torch_compile_keeps_one_attention_node_per_layer(model: ReferenceModel) -> None:
-    torch._dynamo.reset()
-    batch = make_decode_batch(model, 5)
-    expected = model.decode_step(**batch)
-    backend = _RecordGraphs()
-    compiled = torch.compile(model.decode_step, backend=backend, dynamic=True, fullgraph=True)
-    # Rewriting the same K/V at the same positions is idempotent, so the model can be reused.
-    torch.testing.assert_close(compiled(**batch), expected, rtol=1e-6, atol=1e-6)
-    # A second batch size runs without a recompile (dynamic shapes).
-    other = make_decode_batch(model, 3, seed=1)
-    torch.testing.assert_close(compiled(**other), model.decode_step(**other), rtol=1e-6, atol=1e-6)
-    assert len(backend.graphs) == 1
-    nodes = [
-        n for n in backend.graphs[0].graph.nodes if n.op == "call_function" and is_break_target(n.target)
-    ]
-    assert len(nodes) == model.config.num_layers
-    assert all(n.target is torch.ops.devgraph_ref.attention.default for n in nodes)
-    torch._dynamo.reset()
+def test_runners_wire_each_step_to_its_phase(model: ReferenceModel) -> None:
+    with decode_runner(model, mode="disabled") as runner:
+        assert (runner.phase, runner.device, runner.tokens_per_request) == ("decode", model.device, 1)
+        assert runner.forward == model.decode_step
+        batch = make_decode_batch(model, 3)
+        assert runner.run(**batch).shape == (3, model.config.vocab_size)
+    with prefill_runner(model, mode="disabled", sizes=[16, 128]) as runner:
+        assert runner.forward == model.prefill_step
+        # At most max_requests requests per step: one request bucket per token size.
+        assert runner.schedule.buckets[128][REQUESTS] == (model.config.max_requests,)
+        assert runner.schedule.buckets[16][REQUESTS] == (16,)
+        batch = make_prefill_batch(model, [2, 3])
+        assert runner.run(**batch).shape == (2, model.config.vocab_size)
+    with verify_runner(model, 4, mode="disabled", sizes=[4, 8]) as runner:
+        assert (runner.forward, runner.tokens_per_request) == (model.verify_step, 4)
+        batch = make_verify_batch(model, 2, 4)
+        assert runner.run(**batch).shape == (8, model.config.vocab_size)

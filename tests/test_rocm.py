@@ -10,9 +10,10 @@ import pytest
 import torch
 from fakes_common import ensure_plugins_importable, plugin_registry
 
-from devgraph import CaptureError, DeviceGraphConfig, GraphRunner, StaticInput, create_backend
+from devgraph import CaptureError, DeviceGraphConfig, GraphKey, GraphRunner, StaticInput, create_backend
 from devgraph._info import collect_info
 from devgraph.errors import BackendUnavailableError
+from devgraph.factory import resolve_phase
 
 ensure_plugins_importable()
 
@@ -65,10 +66,14 @@ def test_breakable_is_refused_with_the_reason_everywhere(fake, registry):
         RocmBreakableBackend(registry.platform("rocm"), phase="prefill")
 
 
-def test_rule_downgrades_breakable_configs_on_rocm():
-    resolved = DeviceGraphConfig.parse("decode=full,prefill=breakable").resolve("prefill", "rocm")
+def test_rule_downgrades_breakable_configs_on_rocm(registry):
+    config = DeviceGraphConfig.parse("decode=full,prefill=breakable")
+    resolved = resolve_phase(config, "prefill", "rocm", registry=registry)
     assert resolved.backend == "tc_piecewise"
     assert [d.rule for d in resolved.downgrades] == ["rocm-no-breakable"]
+    # The rule is the ROCm plug-in's policy: other platforms keep breakable, and decode is untouched.
+    assert resolve_phase(config, "prefill", "cpu", registry=registry).backend == "breakable"
+    assert resolve_phase(config, "decode", "rocm", registry=registry).backend == "full"
 
 
 def test_fake_rocm_build_is_detected_and_defaults_apply(fake, registry):
@@ -178,8 +183,8 @@ def test_capture_on_another_stream_than_the_session_is_refused(fake, registry):
         platform.stream(torch.cuda.Stream()),
         pytest.raises(CaptureError, match="capture stream"),
     ):
-        backend.capture_one(2, lambda: Mlp()(x))
-    assert not backend.has_shape(2)
+        backend.capture_one(GraphKey.of(2), lambda: Mlp()(x))
+    assert not backend.has_shape(GraphKey.of(2))
 
 
 def test_fake_models_the_cuda_graph_contract(fake):

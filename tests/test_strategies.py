@@ -1,110 +1,173 @@
-"""Every strategy end to end on the reference model (CPU simulated graphs), plus break-op semantics."""
+"""Every strategy end to end on the reference model (CPU simulated graphs), with both attention forms;
+compiled ``full``; break-op semantics and break-op memory shared across sizes.
+
+``runner.verify`` compares a replay with eager on the runner's own padded buffers (``max_abs_diff``: the
+same code on the same shapes, so 0 unless the graph baked in something eager reads afresh) and with eager
+on the caller's rows (``ok`` bounds both by the default relative tolerance).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 
 import pytest
 import torch
 
 import devgraph
-from devgraph import CaptureError, GraphRunner, RecompileError, StaticInput, graph_break
+from devgraph import CaptureError, GraphKey, GraphRunner, RecompileError, StaticInput, graph_break
+from devgraph.keys import REQUESTS
 from devgraph.reference import (
-    decode_context,
+    ReferenceConfig,
+    ReferenceModel,
+    batch_context,
     decode_runner,
     make_decode_batch,
     make_prefill_batch,
-    prefill_context,
+    make_verify_batch,
     prefill_runner,
+    verify_runner,
 )
+from devgraph.strategies.plan import BreakCall
 
 STRATEGIES = ["full", "breakable", "tc_piecewise"]
+ATTENTIONS = ["paged", "sdpa"]
 DECODE_SIZES = [1, 2, 4, 8]
 PREFILL_SIZES = [16, 32, 64]
 
 
+def _model(attention: str = "paged") -> ReferenceModel:
+    """A tiny model (seed 0) whose cache holds random history; a short window and few requests keep the
+    CPU reference attention (it reads whole block tables) cheap."""
+    config = ReferenceConfig.preset("tiny", attention=attention, max_seq_len=64, max_requests=16)
+    model = ReferenceModel(config, seed=0)
+    model.randomize_cache(0)
+    return model
+
+
+def _full_without_host_lengths(mode: str, attention: str, context: object, replayed: bool) -> bool:
+    """``full`` captured the sdpa op with no host lengths, so it replays the device-metadata reference
+    while eager with a context takes the host-length path: the same attention, rounded differently."""
+    return mode == "full" and attention == "sdpa" and context is not None and replayed
+
+
+def _assert_matches_eager(result: devgraph.VerifyResult, near: bool) -> None:
+    assert result.ok, result
+    if near:
+        assert result.max_abs_diff <= 1e-5 * result.scale, result
+    else:
+        assert result.max_abs_diff == 0.0, result
+
+
+# -- every strategy, both attention forms ---------------------------------------------------------------
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("mode", STRATEGIES)
-@pytest.mark.parametrize("with_context", [False, True])
-def test_decode_equals_eager_at_captured_padded_and_fallback_sizes(tiny_model, mode, with_context):
-    with decode_runner(tiny_model, mode=mode, sizes=DECODE_SIZES) as runner:
+def test_decode_equals_eager_at_captured_padded_and_fallback_sizes(mode, attention):
+    model = _model(attention)
+    with decode_runner(model, mode=mode, sizes=DECODE_SIZES) as runner:
         runner.capture()
+        assert runner.keys == [GraphKey.of(s, {REQUESTS: s}) for s in DECODE_SIZES]
         for n in (1, 2, 3, 4, 7, 8, 11):
-            batch = make_decode_batch(tiny_model, n, seed=n)
-            context = decode_context(batch) if with_context else None
-            result = runner.verify(n, context, **batch)
-            assert result.replayed == (n <= 8)
-            assert result.ok, result
-            if with_context and mode == "full" and result.replayed:
-                # The graph attends over the whole cache window; eager trims it to the context's
-                # max_seq_len. Same maths, float32 sums rounded differently (docs/user-guide.md).
-                assert result.max_abs_diff < 1e-4
-            else:
-                assert result.max_abs_diff == 0.0, (mode, n)
+            batch = make_decode_batch(model, n, seed=n)
+            # The paged form never reads the context; the sdpa one with and without host lengths.
+            for context in (batch_context(batch), None) if attention == "sdpa" else (None,):
+                result = runner.verify(n, context, **batch)
+                assert result.replayed == (n <= 8) and result.size == runner.bucket(n)
+                _assert_matches_eager(result, _full_without_host_lengths(mode, attention, context, n <= 8))
+        if mode == "tc_piecewise":  # one compile for every size, batch size 1 included
+            assert (runner.inspect()["compiles"], runner.inspect()["recompiles"]) == (1, 0)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("mode", STRATEGIES)
+def test_prefill_equals_eager_packed_requests(mode, attention):
+    model = _model(attention)
+    with prefill_runner(model, mode=mode, sizes=PREFILL_SIZES, axes={REQUESTS: 8}) as runner:
+        runner.capture()
+        assert [k.size(REQUESTS) for k in runner.keys] == [8, 8, 8]  # at most 8 requests per step
+        # One request, chunks after a cached prefix, many short requests, past the largest on each axis.
+        cases = [[16], [5, 9], [20, 12], [1] * 8, [1] * 9, [40, 33]]
+        for lens in cases:
+            prefixes = [(7 * r) % 31 for r in range(len(lens))]
+            batch = make_prefill_batch(model, lens, prefix_lens=prefixes, seed=len(lens))
+            context = batch_context(batch)
+            result = runner.verify(sum(lens), context, **batch)
+            assert result.replayed == (sum(lens) <= 64 and len(lens) <= 8), lens
+            _assert_matches_eager(
+                result, _full_without_host_lengths(mode, attention, context, result.replayed)
+            )
 
 
 @pytest.mark.parametrize("mode", STRATEGIES)
-def test_prefill_equals_eager_packed_requests(tiny_model, mode):
-    with prefill_runner(tiny_model, mode=mode, sizes=PREFILL_SIZES) as runner:
+def test_verify_phase_k3_equals_eager(mode):
+    """Speculative-decoding verify steps (1 + 3 tokens per request), padded by whole requests."""
+    model = _model("sdpa")
+    with verify_runner(model, 4, mode=mode, sizes=[4, 8, 16]) as runner:
         runner.capture()
-        for lens in ([16], [5, 9], [20, 12], [30, 34], [40, 33]):
-            batch = make_prefill_batch(tiny_model, lens, seed=len(lens))
-            result = runner.verify(sum(lens), prefill_context(lens), **batch)
-            assert result.replayed == (sum(lens) <= 64)
-            assert result.max_abs_diff == 0.0, (mode, lens)
-            assert result.ok, result
+        assert runner.keys == [GraphKey.of(4 * b, {REQUESTS: b}) for b in (1, 2, 4)]
+        for requests in (1, 3, 4, 5):
+            batch = make_verify_batch(model, requests, 4, seed=requests)
+            result = runner.verify(4 * requests, batch_context(batch), **batch)
+            assert result.replayed == (requests <= 4)
+            _assert_matches_eager(result, _full_without_host_lengths(mode, "sdpa", True, result.replayed))
 
 
-def test_breakable_cuts_one_segment_per_break(tiny_model):
-    with decode_runner(tiny_model, mode="breakable", sizes=[4]) as runner:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_breakable_cuts_one_segment_per_break(attention):
+    """The sdpa op is a break op (one per layer); the paged kernels are captured whole."""
+    model = _model(attention)
+    layers = model.config.num_layers
+    with decode_runner(model, mode="breakable", sizes=[4]) as runner:
         runner.capture()
-        plan = runner.backend._entries[4]
-        layers = tiny_model.config.num_layers
-        assert (plan.num_segments, plan.num_breaks) == (layers + 1, layers)
+        key = runner.inspect()["keys"]["tokens=4,requests=4"]
+        expected = (layers + 1, layers) if attention == "sdpa" else (1, 0)
+        assert (key["segments"], key["break_ops"]) == expected
 
 
-def test_tc_piecewise_compiles_once_and_never_recompiles(tiny_model):
-    with prefill_runner(tiny_model, mode="tc_piecewise", sizes=PREFILL_SIZES) as runner:
+def test_tc_piecewise_compiles_once_and_never_recompiles():
+    model = _model("sdpa")
+    with prefill_runner(model, mode="tc_piecewise", sizes=PREFILL_SIZES) as runner:
         runner.capture()
-        backend = runner.backend
-        assert backend.num_pieces == tiny_model.config.num_layers + 1
-        compiles = backend.compiles
+        info = runner.inspect()
+        assert (info["pieces"], info["break_ops"]) == (model.config.num_layers + 1, model.config.num_layers)
+        assert (info["compiles"], info["recompiles"]) == (1, 0)
         for lens in ([7], [30, 30], [50, 40]):  # replay, padded replay, eager fallback (compiled)
-            batch = make_prefill_batch(tiny_model, lens)
-            runner.run(sum(lens), prefill_context(lens), **batch)
-        assert backend.compiles == compiles and backend.recompiles == 0
+            batch = make_prefill_batch(model, lens)
+            runner.run(context=batch_context(batch), **batch)
+            assert runner.verify(context=batch_context(batch), **batch).max_abs_diff == 0.0
+        assert (runner.inspect()["compiles"], runner.inspect()["recompiles"]) == (1, 0)
 
 
-def test_tc_piecewise_reports_a_recompile_after_capture(tiny_model, caplog):
-    fn = torch.nn.Linear(4, 4)
-    runner = GraphRunner(
-        fn.forward,
+def _linear_runner(**kwargs) -> GraphRunner:
+    lin = torch.nn.Linear(4, 4)
+    return GraphRunner(
+        lin.forward,
         phase="prefill",
-        mode="tc_piecewise",
         sizes=[8],
         device="cpu",
         inputs={"input": StaticInput(torch.float32, (4,))},
+        **kwargs,
     )
+
+
+def test_tc_piecewise_reports_a_recompile_after_capture(caplog):
+    runner = _linear_runner(mode="tc_piecewise")
     runner.capture()
+    compiled = runner.backend.wrap_forward(runner.forward)  # what the runner captured and falls back to
     with caplog.at_level(logging.WARNING):
-        runner._graph_forward(torch.zeros(2, 4, 4))  # a new rank: dynamo must recompile
-    assert runner.backend.recompiles >= 1
+        compiled(torch.zeros(2, 4, 4))  # a new rank: dynamo must recompile
+    assert runner.inspect()["recompiles"] >= 1
     assert "recompiled after capture" in caplog.text
 
 
 def test_tc_piecewise_can_raise_on_recompile():
-    lin = torch.nn.Linear(4, 4)
-    runner = GraphRunner(
-        lin.forward,
-        phase="prefill",
-        mode="tc_piecewise",
-        sizes=[8],
-        device="cpu",
-        inputs={"input": StaticInput(torch.float32, (4,))},
+    runner = _linear_runner(
+        config=json.dumps({"prefill": {"backend": "tc_piecewise", "on_recompile": "raise"}})
     )
-    runner.backend.on_recompile = "raise"
     runner.capture()
     with pytest.raises(RecompileError, match="TORCH_LOGS=recompiles"):
-        runner._graph_forward(torch.zeros(2, 4, 4))
+        runner.backend.wrap_forward(runner.forward)(torch.zeros(2, 4, 4))
 
 
 def test_tc_piecewise_dynamo_graph_break_is_a_capture_error():
@@ -120,26 +183,78 @@ def test_tc_piecewise_dynamo_graph_break_is_a_capture_error():
         device="cpu",
         inputs={"x": StaticInput(torch.float32)},
     )
-    with pytest.raises(CaptureError, match="size 8.*breakable"):
+    with pytest.raises(CaptureError, match="tokens=8.*breakable"):
         runner.capture()
     assert runner.backend.captured_keys() == []
 
 
 @pytest.mark.slow
-def test_tc_piecewise_with_inductor(tiny_model):
-    with prefill_runner(tiny_model, mode="tc_piecewise", compiler="inductor", sizes=[16, 32]) as runner:
+def test_tc_piecewise_with_inductor():
+    model = _model("sdpa")
+    with prefill_runner(model, mode="tc_piecewise", compiler="inductor", sizes=[16, 32]) as runner:
         runner.capture()
-        assert runner.backend.compiler == "inductor"
+        assert runner.inspect()["compiler"] == "inductor"
         for lens in ([16], [10, 12]):
-            batch = make_prefill_batch(tiny_model, lens)
-            result = runner.verify(sum(lens), prefill_context(lens), **batch)
+            batch = make_prefill_batch(model, lens)
+            result = runner.verify(sum(lens), batch_context(batch), **batch)
             # Same compiled kernels on the same padded batch: exact. Against plain eager, inductor's
             # fused kernels reorder float32 arithmetic, hence the default relative tolerance.
             assert result.max_abs_diff == 0.0
             assert result.ok, result
+        assert runner.inspect()["recompiles"] == 0
 
 
-# -- break ops and the forward context ----------------------------------------------------------
+# -- compiled full ------------------------------------------------------------------------------------
+def _check_compiled_full(runner: GraphRunner, steps: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
+    """Captured once for every size; each step equals the compiled forward run eagerly on the same padded
+    buffers (exactly) and the plain model (within tolerance); no recompile at any size or in verify()."""
+    runner.capture()
+    info = runner.inspect()
+    assert (info["compiles"], info["recompiles"]) == (1, 0), info
+    assert len(info["keys"]) == len(runner.sizes)
+    for n, batch in steps:
+        result = runner.verify(n, None, **batch)
+        assert result.max_abs_diff == 0.0, (n, result)
+        assert result.ok, (n, result)
+        torch.testing.assert_close(runner.run(n, **batch), runner.forward(**batch), rtol=1e-4, atol=1e-4)
+    after = runner.inspect()
+    assert (after["compiles"], after["recompiles"]) == (1, 0), after
+    assert runner.stats()["replays"] > 0 and runner.stats()["eager_by_reason"]["past_largest"] > 0
+
+
+def _decode_steps(model: ReferenceModel) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    return [(n, make_decode_batch(model, n, seed=n)) for n in (1, 2, 3, 4, 6, 8, 11)]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_full_compiled_with_eager_compiles_once_for_every_size(attention):
+    model = _model(attention)
+    with decode_runner(model, mode="full", compiler="eager", sizes=DECODE_SIZES) as runner:
+        assert runner.inspect()["compiler"] == "eager"
+        _check_compiled_full(runner, _decode_steps(model))
+
+
+def test_full_compiled_prefill_compiles_once_for_every_key():
+    model = _model()
+    flag = json.dumps({"prefill": {"backend": "full", "compiler": "eager"}})
+    with prefill_runner(model, config=flag, sizes=PREFILL_SIZES) as runner:
+        steps = []
+        for lens in ([3], [5, 9], [20, 12, 1], [30, 34], [40, 33]):
+            steps.append((sum(lens), make_prefill_batch(model, lens, seed=len(lens))))
+        _check_compiled_full(runner, steps)
+
+
+@pytest.mark.slow
+def test_full_compiled_with_inductor_compiles_once_for_every_size():
+    model = _model()
+    flag = json.dumps({"decode": {"backend": "full", "compiler": "inductor", "inductor_mode": "default"}})
+    with decode_runner(model, config=flag, sizes=DECODE_SIZES) as runner:
+        assert runner.backend.options.inductor_mode == "default"
+        assert runner.inspect()["compiler"] == "inductor"
+        _check_compiled_full(runner, _decode_steps(model))
+
+
+# -- break ops and the forward context ----------------------------------------------------------------
 seen_flags: list[tuple[bool, bool]] = []
 
 
@@ -168,7 +283,7 @@ def _runner(mode: str) -> GraphRunner:
         sizes=[4],
         device="cpu",
         inputs={"x": StaticInput(torch.float32)},
-        capture_context=lambda size: Ctx(1.0),
+        capture_context=lambda key: Ctx(1.0),
     )
 
 
@@ -193,10 +308,95 @@ def test_full_graph_bakes_break_op_in_with_capture_time_context():
     torch.testing.assert_close(out, (x + 1) * 1.0 * 2)
 
 
-def test_breakable_holds_strong_references_to_break_inputs():
+def test_breakable_records_each_break_op_with_its_arguments_and_outputs():
+    """The replay plan calls the op on its capture-time tensors and writes where the next segment reads.
+    (On a GPU these are weak aliases into the graph pool, see test_cuda; the CPU keeps the tensors.)"""
     runner = _runner("breakable")
     runner.capture()
-    plan = runner.backend._entries[4]
-    call = next(step for step in plan.steps if hasattr(step, "op"))
+    plan = runner.backend._entries[runner.keys[0]]
+    (call,) = [step for step in plan.steps if isinstance(step, BreakCall)]
     assert call.op is scale_by_context
-    assert isinstance(call.args[0], torch.Tensor) and call.outputs.shape == (4,)
+    assert isinstance(call.args[0], torch.Tensor) and call.args[0].shape == (4,)
+    assert call.outputs.shape == (4,)
+    assert runner.inspect()["keys"]["tokens=4"] == {
+        **runner.inspect()["keys"]["tokens=4"],
+        "segments": 2,
+        "break_ops": 1,
+    }
+
+
+# -- break-op memory shared across sizes ---------------------------------------------------------------
+@graph_break("devgraph_test::mix_rows")
+def mix_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every output row depends on every row before it, so a row read from another size's memory shows."""
+    return torch.cumsum(x, dim=0) * 0.5 + x
+
+
+@graph_break("devgraph_test::shift_rows")
+def shift_rows(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Row i gets row i - 1 (row 0 gets zeros): real rows never read the padding rows after them."""
+    return torch.cat([torch.zeros_like(x[:1]), x[:-1]]) - bias
+
+
+def _chained_breaks(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    # Two break ops back to back (the second reads the first's output directly), then a segment.
+    return torch.tanh(shift_rows(mix_rows(x * 1.5), bias)) + x
+
+
+def _replay_in_random_orders(
+    runner: GraphRunner, steps: dict[int, tuple[object, dict[str, torch.Tensor]]], seed: int = 0
+) -> None:
+    """Each step runs (replay, or eager past the largest size) and is verified, in four random orders."""
+    order = list(steps)
+    rng = random.Random(seed)
+    for _ in range(4):
+        rng.shuffle(order)
+        for n in order:
+            context, batch = steps[n]
+            out = runner.run(n, context, copy=True, **batch)
+            result = runner.verify(n, context, **batch)
+            assert result.max_abs_diff == 0.0 and result.ok, (order, n, result)
+            with devgraph.forward_context(context), torch.no_grad():
+                expected = runner.forward(**batch)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    stats = runner.stats()
+    eager = sum(n > runner.sizes[-1] for n in order)
+    assert eager > 0 and stats["eager_by_reason"]["past_largest"] == 4 * eager
+    assert stats["replays"] == 4 * (len(order) - eager)
+
+
+@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+def test_break_ops_replay_exactly_in_any_size_order(mode):
+    """Break-op tensors live in the shared pool and are reused across sizes (only one size replays at a
+    time): replaying sizes in random orders, interleaved with eager steps past the largest, stays exact.
+    On the CPU this checks the plan logic; test_cuda checks the pool aliasing itself."""
+    runner = GraphRunner(
+        _chained_breaks,
+        phase="prefill",
+        mode=mode,
+        sizes=[2, 4, 8, 16],
+        device="cpu",
+        inputs={"x": StaticInput(torch.float32, (3,)), "bias": StaticInput(torch.float32, (3,))},
+    )
+    with runner:
+        runner.capture()
+        gen = torch.Generator().manual_seed(0)
+        steps: dict[int, tuple[object, dict[str, torch.Tensor]]] = {}
+        for n in (1, 2, 3, 5, 8, 13, 16, 17, 30):
+            steps[n] = (
+                None,
+                {"x": torch.randn(n, 3, generator=gen), "bias": torch.randn(n, 3, generator=gen)},
+            )
+        _replay_in_random_orders(runner, steps)
+
+
+@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+def test_reference_break_ops_replay_exactly_in_any_size_order(mode):
+    model = _model("sdpa")
+    with decode_runner(model, mode=mode, sizes=DECODE_SIZES) as runner:
+        runner.capture()
+        steps = {}
+        for n in (1, 2, 3, 5, 8, 10):
+            batch = make_decode_batch(model, n, seed=10 + n)
+            steps[n] = (batch_context(batch), batch)
+        _replay_in_random_orders(runner, steps, seed=1)

@@ -203,6 +203,11 @@ def _decode_sdpa(
     window = keys.shape[2]
     visible = torch.arange(window, device=q.device)[None, :] < seq_lens[:, None]  # [R, W]
     visible[:, 0] |= seq_lens == 0  # a padding row sees one (ignored) position instead of none: no NaN
+    # Positions past a request's length may hold anything (a freed block's stale values, the scratch block
+    # padding rows write): zero them, since a masked score still multiplies its value (0 * NaN is NaN).
+    hidden = ~visible[:, None, :, None]
+    keys = keys.masked_fill(hidden, 0)
+    values = values.masked_fill(hidden, 0)
     # GQA without copying the window once per query head: the heads sharing a KV head become query rows.
     out = F.scaled_dot_product_attention(
         q.reshape(requests, kv_heads, heads // kv_heads, dim),

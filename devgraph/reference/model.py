@@ -57,7 +57,7 @@ class DecoderLayer(nn.Module):
         self.attention, self.kernels = c.attention, c.kernels
         self.scale = c.head_dim**-0.5
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
+        self.head_split = (c.num_heads, c.num_kv_heads, c.num_kv_heads)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
         # Fused q/k/v and gate/up projections: fewer kernels per step, as in production engines.
         self.qkv_proj = draw_weight(
@@ -97,10 +97,11 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedMetadata
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        q, k, v = F.linear(self.input_norm(hidden), self.qkv_proj).split(self.split_sizes, dim=-1)
-        q = _rotate(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = _rotate(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        # Heads first, then split: views of the contiguous projection only. (Splitting the flat projection
+        # and viewing each part makes inductor's view lowering guard on n > 1: a second compile for n = 1.)
+        qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
+        q, k, v = qkv.split(self.head_split, dim=1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         attn = self.attend(q, k, v, meta)
         hidden = hidden + F.linear(attn.reshape(n, -1), self.o_proj)
         gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
