@@ -58,6 +58,18 @@ def _is_host_sync(exc: BaseException) -> bool:
     )
 
 
+def _is_lazy_handle(exc: BaseException) -> bool:
+    text = _text(exc)
+    return any(n in text for n in ("cublas_status_not_initialized", "cublascreate", "hipblascreate"))
+
+
+def _warm_up(phase: str, max_size: int) -> str:
+    return (
+        "a library created a handle or workspace inside the capture: warm the forward up on the capture "
+        "stream first (warmup_iters >= 1, or the flag's warmup_iters), so it happens before capture"
+    )
+
+
 def _oom(phase: str, max_size: int) -> str:
     return (
         f"capture fewer or smaller sizes (max_size is {max_size}: pass a lower max_size or an explicit "
@@ -108,6 +120,7 @@ def _generic(phase: str, max_size: int) -> str:
 
 _TABLE: tuple[tuple[str, Callable[[BaseException], bool], Callable[[str, int], str]], ...] = (
     ("out_of_memory", _is_oom, _oom),
+    ("no_warm_up", _is_lazy_handle, _warm_up),
     ("break_op_returns_view", _is_aliasing_break, _aliasing),
     ("recompile", lambda exc: isinstance(exc, RecompileError), _recompile),
     ("torch_compile", _is_dynamo, _dynamo),

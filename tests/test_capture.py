@@ -148,3 +148,11 @@ def test_diagnose_looks_through_wrapped_errors():
     assert cause.name == "out_of_memory" and "max_size is 512" in cause.advice
     assert diagnose(CaptureError("x", op="aten.nonzero"), phase="decode", max_size=8).name == "host_sync"
     assert diagnose(devgraph.RecompileError("r"), phase="decode", max_size=8).name == "recompile"
+
+
+def test_a_library_handle_created_inside_capture_gets_warm_up_advice():
+    # What a CUDA capture raises when cuBLAS meets its first GEMM inside the capture (no warm-up).
+    error = RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`")
+    cause = diagnose(error, phase="decode", max_size=64)
+    assert cause.name == "no_warm_up"
+    assert "warmup_iters" in cause.advice and "max_size" not in cause.advice

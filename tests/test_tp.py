@@ -261,11 +261,6 @@ def test_a_process_group_without_torch_distributed_is_refused():
         TPReferenceModel(ReferenceConfig.preset("tiny"), Group())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the CPU simulator cannot record a c10d collective (dist.all_reduce): it reads the op's Work "
-    "result as a list of tensors; the TP model takes its record_opaque path on the CPU meanwhile",
-)
 def test_the_simulator_records_a_c10d_collective(unused_port):
     import torch.distributed as dist
 
@@ -339,3 +334,27 @@ def test_nccl_close_after_a_bypassed_destroy_neither_fails_nor_hangs(tmp_path):
     found = launch("destroy_bypassed", tmp_path, device="cuda", extra=("--modes", "full"), limit=75)
     _record("nccl-destroy-bypassed", found)
     check_destroy_bypassed(found, device=True)
+
+
+def test_the_simulator_waits_for_a_functional_collective_before_reading_it(unused_port):
+    # dynamo turns dist.all_reduce into _c10d_functional.all_reduce + wait_tensor: replay must wait for the
+    # fresh result before copying it where the graph's later ops read it.
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from devgraph.sim.graph import SimGraph, abort_capture
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{unused_port}", rank=0, world_size=1)
+    graph = SimGraph()
+    try:
+        x = torch.ones(64)
+        graph.capture_begin()
+        y = funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+        graph.capture_end()
+        for step in range(200):
+            x.fill_(float(step))
+            graph.replay()
+            assert torch.equal(y, torch.full((64,), 2.0 * step + 1)), step
+    finally:
+        abort_capture(graph)
+        dist.destroy_process_group()

@@ -360,9 +360,10 @@ def _die_or_stall(ctx: Ctx, how: str) -> dict[str, Any]:
         found = {"raised": _error(exc, start), "raised_at": time.time()}
     found["timeout_s"] = ranks.rank_timeout_s()
     runner.close()
-    # The process group lost a rank: an engine exits now. On GPUs destroying a communicator whose peer is
-    # gone may block, so the worker leaves without teardown there (its findings are saved first).
-    ctx.hard_exit = ctx.cuda
+    # The process group lost a rank: an engine exits now, without tearing the group down. On GPUs destroying
+    # a communicator whose peer is gone may block; on gloo, its threads may abort the process at exit
+    # ("terminate called without an active exception"). The findings are saved first.
+    ctx.hard_exit = True
     return found
 
 

@@ -169,7 +169,9 @@ class Capture:
             return
         if not targets and not info.mutable and info.builtin:
             return  # views (the captured view keeps aliasing its input) or metadata: nothing to redo
-        self.steps.append((True, op_step(func, args, kwargs, targets, info.single), str(func)))
+        self.steps.append(
+            (True, op_step(func, args, kwargs, targets, info.single, info.collective), str(func))
+        )
 
     def _fresh_targets(
         self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
@@ -189,7 +191,12 @@ class Capture:
             value = values[i]
             if not readable or value is None:
                 continue
-            items = [(None, value)] if isinstance(value, torch.Tensor) else list(enumerate(value))
+            if isinstance(value, torch.Tensor):
+                items: list[tuple[int | None, Any]] = [(None, value)]
+            elif isinstance(value, (list, tuple)):
+                items = list(enumerate(value))
+            else:
+                continue  # not a tensor: a c10d collective's Work handle, say
             for j, tensor in items:
                 if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
                     continue

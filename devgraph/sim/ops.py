@@ -61,6 +61,8 @@ class OpInfo:
     builtin: bool  # an aten/prims op: no effect beyond its schema
     python_body: bool  # a torch.library.custom_op: its Python kernel is traced, not recorded whole
     rule: Rule | None
+    # A collective (c10d / functional collectives): replay waits for it before its result is read.
+    collective: bool = False
 
 
 _OP_INFO: dict[Any, OpInfo] = {}
@@ -95,6 +97,7 @@ def _classify(func: Any) -> OpInfo:
         builtin=builtin,
         python_body=not builtin and _maybe_get_opdef is not None and _maybe_get_opdef(func) is not None,
         rule=rule_for(func, name),
+        collective=func.namespace in ("c10d", "_c10d_functional") and name.split(".")[-1] != "wait_tensor",
     )
 
 
@@ -102,9 +105,9 @@ def storage_of(tensor: torch.Tensor) -> tuple[int, int]:
     """``(data_ptr, nbytes)`` of the storage under ``tensor`` (``(0, 0)`` when it has none)."""
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts, freed storages
         return 0, 0
-    return storage.data_ptr(), storage.nbytes()
 
 
 def tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:

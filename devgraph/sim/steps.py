@@ -17,11 +17,39 @@ Segment = tuple[bool, tuple[Step, ...], tuple[str, ...]]
 Target = tuple[int, int | None, torch.Tensor]
 
 
+def _finish_collective(result: Any) -> None:
+    """Wait for a collective re-run at replay before anything reads its result (it may complete async)."""
+    for value in result if isinstance(result, (list, tuple)) else (result,):
+        if isinstance(value, torch.Tensor):
+            torch.ops._c10d_functional.wait_tensor(value)
+        elif isinstance(value, (list, tuple)):
+            _finish_collective(value)
+        elif hasattr(value, "wait"):  # a c10d Work handle
+            value.wait()
+
+
 def op_step(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[Target], single: bool
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    targets: list[Target],
+    single: bool,
+    collective: bool = False,
 ) -> Step:
-    """A closure that re-runs ``func`` on the captured arguments and copies fresh results back."""
+    """A closure that re-runs ``func`` on the captured arguments and copies fresh results back.
+
+    A collective (``c10d``/``_c10d_functional`` ops) is waited for first, so its result is complete when
+    it is copied and when later steps read it.
+    """
     call = getattr(func, "_op", func)  # the C++ entry point: skips OpOverload.__call__'s Python frame
+    if collective:
+        plain = call
+
+        def call(*a: Any, **k: Any) -> Any:
+            result = plain(*a, **k)
+            _finish_collective(result)
+            return result
+
     if not targets:
         if kwargs:
             return lambda: call(*args, **kwargs)

@@ -60,6 +60,11 @@ def _code_digest(fn: Callable[..., Any]) -> str:
     if isinstance(owner, torch.nn.Module):
         for module in owner.modules():
             for klass in type(module).__mro__:
+                # torch's own classes are covered by the torch version, and dynamo rewrites some of their
+                # methods at a process's first compile: hashing them would make the digest depend on what
+                # the process compiled before.
+                if klass.__module__.split(".")[0] in ("torch", "builtins"):
+                    continue
                 for attr in vars(klass).values():
                     add(getattr(attr, "__code__", None))
     return digest.hexdigest()
@@ -123,21 +128,22 @@ class ArtifactCache:
         self.fingerprint = print_
         self._key = hashlib.sha256(json.dumps(print_, sort_keys=True, default=str).encode()).hexdigest()
         self.status = "unused"  # hit | miss | stale | corrupt | saved | unused
+        self.loaded = "unused"  # the outcome of load(), kept after a save
 
     def load(self) -> str:
         """Load the artifacts if the file matches this runner; returns and records the outcome."""
         try:
             blob = self.path.read_bytes()
         except FileNotFoundError:
-            self.status = "miss"
+            self.status = self.loaded = "miss"
             return self.status
         except OSError as exc:
             logger.warning(
                 "devgraph: cannot read compile cache %s (%s); compiling from scratch", self.path, exc
             )
-            self.status = "corrupt"
+            self.status = self.loaded = "corrupt"
             return self.status
-        self.status = self._load_blob(blob)
+        self.status = self.loaded = self._load_blob(blob)
         if self.status != "hit":
             logger.warning(
                 "devgraph: compile cache %s is %s; it is not used and will be rebuilt", self.path, self.status
@@ -162,11 +168,12 @@ class ArtifactCache:
         if header.get("sha256") != hashlib.sha256(payload).hexdigest() or header.get("bytes") != len(payload):
             return "corrupt"
         try:
-            torch.compiler.load_cache_artifacts(payload)
+            loaded = torch.compiler.load_cache_artifacts(payload)
         except Exception as exc:  # torch rejected the payload (another build, a truncated write)
             logger.debug("load_cache_artifacts failed: %s", exc)
             return "corrupt"
-        return "hit"
+        # torch logs and returns None, rather than raising, when it cannot read the payload.
+        return "hit" if loaded is not None else "corrupt"
 
     def save(self) -> None:
         """Write this process's compiled artifacts (atomically: a reader never sees half a file)."""
@@ -193,4 +200,4 @@ class ArtifactCache:
         self.status = "saved" if self.status != "hit" else "hit"
 
     def describe(self) -> dict[str, Any]:
-        return {"path": str(self.path), "status": self.status}
+        return {"path": str(self.path), "status": self.status, "loaded": self.loaded}

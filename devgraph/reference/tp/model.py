@@ -94,10 +94,10 @@ class TPDecoderLayer(DecoderLayer):
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedMetadata
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        q, k, v = F.linear(self.input_norm(hidden), self.qkv_proj).split(self.split_sizes, dim=-1)
-        q = _rotate(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = _rotate(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
+        qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
+        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         attn = self.attend(q, k, v, meta)
         hidden = hidden + self.comm.all_reduce(F.linear(attn.reshape(n, -1), self.o_proj))
         gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
