@@ -16,6 +16,7 @@ demo: setup
 lint:
 	$(PYTHON) -m ruff check devgraph backends tests benchmarks
 	$(PYTHON) -m ruff format --check devgraph backends tests benchmarks
+	$(PYTHON) -m mypy devgraph backends/cuda/devgraph_cuda backends/rocm/devgraph_rocm backends/npu/devgraph_npu
 
 test: setup lint
 	$(PYTHON) -m pytest -q

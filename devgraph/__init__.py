@@ -28,7 +28,8 @@ from devgraph.keys import REQUESTS, TOKENS, GraphKey
 from devgraph.modes import Compiler, SpecialMode, Strategy
 from devgraph.phases import PHASES, Phase
 from devgraph.platform import Availability, DeviceGraph, GraphPlatform
-from devgraph.plugins import get_registry, register_backend
+from devgraph.plugins import get_registry
+from devgraph.register import register_backend
 from devgraph.rules import CompatibilityRule
 from devgraph.runner import GraphRunner
 from devgraph.sizes import DEFAULT_DECODE_SIZES, DEFAULT_PREFILL_SIZES, SizeSchedule, resolve_sizes

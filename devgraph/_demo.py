@@ -66,9 +66,7 @@ def _prefill_cases(sizes: list[int], max_seq_len: int) -> list[list[int]]:
     return cases
 
 
-def _measure(
-    runner: GraphRunner, label: str, batch: dict[str, torch.Tensor], context: Any, iters: int
-) -> DemoRow:
+def _measure(runner: GraphRunner, label: str, batch: dict[str, Any], context: Any, iters: int) -> DemoRow:
     platform = runner.platform
     result = runner.verify(context=context, **batch)
 

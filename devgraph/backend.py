@@ -166,10 +166,9 @@ class DeviceGraphBackend(ABC):
         ignore them, backends with host-side arguments (Ascend) read them.
         """
 
-    @contextlib.contextmanager
-    def runtime_session(self) -> Iterator[None]:
+    def runtime_session(self) -> contextlib.AbstractContextManager[None]:
         """Context around each replay (per-step flags, e.g. telling break ops they replay)."""
-        yield
+        return contextlib.nullcontext()
 
     # -- teardown -----------------------------------------------------------------------------------
     def release(self, key: GraphKey) -> None:

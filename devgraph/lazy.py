@@ -7,15 +7,17 @@ most ``max_graphs`` graphs and ``max_bytes`` of graph memory, evicting the least
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from devgraph.errors import ConfigError
 from devgraph.keys import GraphKey
 from devgraph.modes import shorten
 
-__all__ = ["LazyPolicy", "LruKeys"]
+__all__ = ["LazyGraphs", "LazyPolicy", "LruKeys"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,47 @@ class LruKeys:
 
     def clear(self) -> None:
         self._keys.clear()
+
+
+class LazyGraphs:
+    """A lazily capturing runner's side of the cache: capture a key on first sight, keep the bounds.
+
+    ``capture(key)`` captures one key and returns its graph bytes; ``release(key)`` drops its graph (the
+    backend's ``release``, and the runner's report of it). Counts land in the runner's statistics.
+    """
+
+    def __init__(
+        self,
+        policy: LazyPolicy,
+        stats: Any,
+        has_graph: Callable[[GraphKey], bool],
+        capture: Callable[[GraphKey], int],
+        release: Callable[[GraphKey], None],
+    ) -> None:
+        self.keys = LruKeys(policy)
+        self._stats = stats
+        self._has_graph = has_graph
+        self._capture = capture
+        self._release = release
+
+    def lookup(self, key: GraphKey, count: bool) -> None:
+        """Make ``key`` hold a graph before it replays. ``verify()`` (``count=False``) is no step: it counts
+        no hit; a capture it causes is real work and counts as a miss."""
+        hit = self.keys.ensure(key, has_graph=self._has_graph, capture=self._timed_capture, evict=self._evict)
+        if hit and count:
+            self._stats.lazy_hits += 1
+
+    def _timed_capture(self, key: GraphKey) -> int:
+        start = time.perf_counter()
+        nbytes = self._capture(key)
+        self._stats.lazy_misses += 1
+        self._stats.lazy_capture_seconds += time.perf_counter() - start
+        return nbytes
+
+    def _evict(self, key: GraphKey) -> None:
+        self._release(key)
+        self.keys.remove(key)
+        self._stats.lazy_evictions += 1
+
+    def clear(self) -> None:
+        self.keys.clear()

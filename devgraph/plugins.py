@@ -19,7 +19,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, TypeVar, overload
+from typing import Any
 
 import pluggy
 
@@ -50,7 +50,6 @@ __all__ = [
     "PluginRecord",
     "Registry",
     "get_registry",
-    "register_backend",
     "reset_registry",
 ]
 
@@ -369,62 +368,6 @@ def reset_registry(registry: Registry | None = None) -> None:
     global _registry
     with _registry_lock:
         _registry = registry
-
-
-B = TypeVar("B", bound=type[DeviceGraphBackend])
-
-
-@overload
-def register_backend(
-    cls: B,
-    /,
-    *,
-    name: str | None = ...,
-    platform: str,
-    phases: Iterable[str] = ...,
-    default_for: Iterable[str] = ...,
-) -> B: ...
-
-
-@overload
-def register_backend(
-    cls: None = None,
-    /,
-    *,
-    name: str | None = ...,
-    platform: str,
-    phases: Iterable[str] = ...,
-    default_for: Iterable[str] = ...,
-) -> Callable[[B], B]: ...
-
-
-def register_backend(
-    cls: B | None = None,
-    /,
-    *,
-    name: str | None = None,
-    platform: str,
-    phases: Iterable[str] = PHASES,
-    default_for: Iterable[str] = (),
-) -> Any:
-    """Register a backend directly, as a call or as a class decorator.
-
-    ``register_backend(MyBackend, name="full", platform="mychip")`` or::
-
-        @devgraph.register_backend(platform="mychip", phases=("decode",), default_for=("decode",))
-        class MyBackend(FullGraphBackend): ...
-
-    Plug-ins load first, so a clash with an installed plug-in is reported here, naming both origins.
-    """
-
-    def apply(target: B) -> B:
-        origin = f"register_backend() in {getattr(target, '__module__', '?')}"
-        get_registry().add_backend(
-            target, name=name, platform=platform, phases=phases, default_for=default_for, origin=origin
-        )
-        return target
-
-    return apply(cls) if cls is not None else apply
 
 
 # parse() checks mode names against the registry without config importing it (no import circle).

@@ -17,20 +17,26 @@ import torch
 
 from devgraph.backend import Batch, DeviceGraphBackend
 from devgraph.capture import CaptureJob, CaptureReport, KeyReport, capture_keys, frozen_gc, show_progress
-from devgraph.config import COMPILING_BACKENDS, DeviceGraphConfig
+from devgraph.config import DeviceGraphConfig
 from devgraph.context import forward_context
 from devgraph.dispatch import Decision, Dispatcher
 from devgraph.errors import ConfigError, InputError
-from devgraph.factory import create_backend, resolve_phase, resolve_platform
 from devgraph.inputs import StaticInput
 from devgraph.inspection import describe_runner
 from devgraph.keys import REQUESTS, GraphKey
-from devgraph.lazy import LazyPolicy, LruKeys
+from devgraph.lazy import LazyGraphs, LazyPolicy
 from devgraph.modes import shorten
 from devgraph.outputs import OutputLayout, check_output_axes, copy_into_out, copy_tree
 from devgraph.phases import Phase
 from devgraph.ranks import CaptureSync, check_lockstep, rank_of, release_backend, track_runner
-from devgraph.runner_setup import check_inputs, probe_layout, runner_device, schedule_for, warmup_count
+from devgraph.runner_setup import (
+    check_inputs,
+    probe_layout,
+    resolve_backend,
+    runner_device,
+    schedule_for,
+    warmup_count,
+)
 from devgraph.schedule import AxisSizes
 from devgraph.staging import StaticBuffers, Step, StepValidator
 from devgraph.state import as_state
@@ -92,12 +98,6 @@ class GraphRunner:
         self.forward = forward
         self.phase: str = Phase.parse(phase).value
         self.input_specs: dict[str, StaticInput] = check_inputs(self.phase, inputs, RESERVED_NAMES)
-        if mode is not None and config is not None:
-            raise ConfigError(
-                "pass either mode= (one strategy name) or config= (a --device-graph-mode value)"
-            )
-        if backend is not None and not isinstance(backend, DeviceGraphBackend):
-            raise ConfigError(f"backend= must be a DeviceGraphBackend instance, got {shorten(backend)}")
         self.capture_context = capture_context
         self.process_group = process_group
         self.progress = progress
@@ -105,23 +105,10 @@ class GraphRunner:
         # Ranks of a tensor-parallel group must replay the same key each step (one small all-gather; tests).
         self.check_lockstep = check_lockstep
 
-        platform = backend.platform if backend is not None else resolve_platform(device)
-        if not isinstance(config, DeviceGraphConfig):
-            config = DeviceGraphConfig.parse(config if config is not None else (mode or "auto"))
-        self.config = config
-        self.resolved = resolve_phase(config, self.phase, platform.name, features)
+        self.config, self.resolved, backend = resolve_backend(
+            self.phase, device, mode, config, compiler, features, backend
+        )
         phase_config = self.resolved.config
-        if backend is None:
-            options = self.resolved.backend_options()
-            if (
-                compiler is not None
-                and "compiler" not in options
-                and self.resolved.backend in COMPILING_BACKENDS
-            ):
-                options["compiler"] = compiler
-            backend = create_backend(
-                device or platform.default_device(), self.phase, self.resolved.backend, options=options
-            )
         self.backend: DeviceGraphBackend = backend
         self.platform = backend.platform
         self.device = runner_device(device, self.platform)
@@ -139,13 +126,17 @@ class GraphRunner:
         self._state = as_state(state)
         self.warmup_iters = warmup_count(phase_config.warmup_iters, warmup_iters, self.platform)
         self.lazy = bool(phase_config.lazy if phase_config.lazy is not None else lazy)
-        self._lru = LruKeys(
+        self._stats = RunnerStats()
+        self._lazy = LazyGraphs(
             LazyPolicy(
                 phase_config.max_graphs if phase_config.max_graphs is not None else max_graphs,
                 phase_config.max_graph_bytes if phase_config.max_graph_bytes is not None else max_graph_bytes,
-            )
+            ),
+            self._stats,
+            has_graph=backend.has_shape,
+            capture=lambda key: self._capture([key], collect=False)[0].bytes,
+            release=self._release_key,
         )
-        self._stats = RunnerStats()
         self._lock = threading.RLock()
         self._closed = False
         self._captured = False
@@ -187,15 +178,11 @@ class GraphRunner:
     def capture(self) -> CaptureReport:
         """Capture every key, largest first, into one pool on one stream; returns the report.
 
-        Each key: ``warmup_iters`` eager runs on the capture stream, a barrier across ``process_group``,
-        then the capture (on a device, capture records kernels without running them; the CPU simulator
-        undoes the capture's writes to older tensors the same way; break ops under ``breakable`` and
-        ``tc_piecewise`` run eagerly at capture, as at every replay). When the captured keys cannot tell
-        which outputs are row-major (one token size, or two axes of equal size at every key) the forward
-        runs once more, eagerly, at other sizes (``output_axes=`` skips it). Declared ``state`` is
-        restored afterwards; undeclared state moves once per eager run. A lazily capturing runner
-        captures nothing here. On failure raises :class:`CaptureError` naming the key and what to do,
-        after releasing every graph.
+        Per key: ``warmup_iters`` eager runs on the capture stream, a barrier across ``process_group``, the
+        capture (which changes no older tensor, on a device as on the simulator). At most one more eager
+        run learns the output layout (``output_axes=`` skips it). Declared ``state`` is restored after.
+        A lazily capturing runner captures nothing here. On failure raises :class:`CaptureError` naming
+        the key and what to do, after releasing every graph. See docs/user-guide.md.
         """
         with self._lock:
             self._check_open()
@@ -322,7 +309,7 @@ class GraphRunner:
                 self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
             return self._eager(context, variant, inputs)
         if self.lazy:
-            self._lazy_lookup(key, count)
+            self._lazy.lookup(key, count)
         self._buffers.stage(step.counts, key, inputs)
         with forward_context(context), self.backend.runtime_session():
             raw = self.backend.replay(key, self._buffers.buffers)
@@ -336,28 +323,9 @@ class GraphRunner:
         with forward_context(context), torch.no_grad():
             return self._graph_forward(**owned, **variant)
 
-    def _lazy_lookup(self, key: GraphKey, count: bool) -> None:
-        # verify() (count=False) is no step: it counts no hit; a capture it causes is real work and counts.
-        if (
-            self._lru.ensure(
-                key, has_graph=self.backend.has_shape, capture=self._capture_lazily, evict=self._evict
-            )
-            and count
-        ):
-            self._stats.lazy_hits += 1
-
-    def _capture_lazily(self, key: GraphKey) -> int:
-        start = time.perf_counter()
-        (report,) = self._capture([key], collect=False)
-        self._stats.lazy_misses += 1
-        self._stats.lazy_capture_seconds += time.perf_counter() - start
-        return report.bytes
-
-    def _evict(self, key: GraphKey) -> None:
+    def _release_key(self, key: GraphKey) -> None:
         self.backend.release(key)
-        self._lru.remove(key)
         self._key_reports.pop(key, None)
-        self._stats.lazy_evictions += 1
 
     # -- checks -------------------------------------------------------------------------------------
     def verify(
@@ -372,12 +340,10 @@ class GraphRunner:
     ) -> VerifyResult:
         """Run one step through the graph and eagerly on the same inputs; report the largest differences.
 
-        The forward runs three times when the step replays a graph (the replay, eager on the caller's
-        rows, eager on the padded static buffers) and twice when it runs eagerly (the eager step, eager on
-        the caller's rows); declared ``state`` is restored before each and after the last, so ``verify``
-        changes no declared state. Undeclared state moves once per run. ``rtol`` bounds both differences
-        relative to max |eager| (default 1e-4, 2e-2 for 16-bit outputs). Not counted in :meth:`stats`
-        steps.
+        The forward runs 3 times on the graph path (replay, eager on the caller's rows, eager on the padded
+        buffers), twice on the eager path; declared ``state`` is restored before each run and after the
+        last. ``rtol`` bounds both differences relative to max |eager| (default 1e-4; 2e-2 for 16-bit
+        outputs). Not counted in :meth:`stats` steps.
         """
         with self._lock:
             self._check_open()
@@ -423,7 +389,7 @@ class GraphRunner:
             finally:
                 self.backend.unbind(self)
                 self._buffers.clear()
-                self._lru.clear()
+                self._lazy.clear()
                 self._key_reports.clear()
                 self._captured = False
                 self._closed = True

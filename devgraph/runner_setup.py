@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
-from devgraph.config import PhaseConfig
+from devgraph.backend import DeviceGraphBackend
+from devgraph.config import COMPILING_BACKENDS, DeviceGraphConfig, PhaseConfig
 from devgraph.context import forward_context
 from devgraph.errors import ConfigError
+from devgraph.factory import ResolvedPhase, create_backend, resolve_phase, resolve_platform
 from devgraph.inputs import EDGE, StaticInput
 from devgraph.keys import REQUESTS, TOKENS, GraphKey
 from devgraph.modes import shorten
@@ -22,6 +24,7 @@ from devgraph.sizes import resolve_sizes
 
 __all__ = [
     "check_inputs",
+    "resolve_backend",
     "runner_device",
     "schedule_for",
     "probe_layout",
@@ -30,6 +33,35 @@ __all__ = [
 ]
 
 logger = logging.getLogger("devgraph.runner")
+
+
+def resolve_backend(
+    phase: str,
+    device: torch.device | str | None,
+    mode: str | None,
+    config: DeviceGraphConfig | str | None,
+    compiler: str | None,
+    features: Mapping[str, Any] | None,
+    backend: DeviceGraphBackend | None,
+) -> tuple[DeviceGraphConfig, ResolvedPhase, DeviceGraphBackend]:
+    """The runner's parsed flag, its phase's resolution (``auto`` and the rules applied, once) and its
+    backend: the one given, or one built for the resolved mode on the device's platform."""
+    if mode is not None and config is not None:
+        raise ConfigError("pass either mode= (one strategy name) or config= (a --device-graph-mode value)")
+    if backend is not None and not isinstance(backend, DeviceGraphBackend):
+        raise ConfigError(f"backend= must be a DeviceGraphBackend instance, got {shorten(backend)}")
+    platform = backend.platform if backend is not None else resolve_platform(device)
+    if not isinstance(config, DeviceGraphConfig):
+        config = DeviceGraphConfig.parse(config if config is not None else (mode or "auto"))
+    resolved = resolve_phase(config, phase, platform.name, features)
+    if backend is None:
+        options = resolved.backend_options()
+        if compiler is not None and "compiler" not in options and resolved.backend in COMPILING_BACKENDS:
+            options["compiler"] = compiler
+        backend = create_backend(
+            device or platform.default_device(), phase, resolved.backend, options=options
+        )
+    return config, resolved, backend
 
 
 def tokens_per_request_for(phase: Phase, given: int | None) -> int | None:

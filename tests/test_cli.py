@@ -55,7 +55,8 @@ def test_demo_prints_tables_with_zero_difference(capsys, tmp_path):
     results = json.loads(out_json.read_text())
     rows = [r for phase in results["phases"].values() for r in phase["rows"]]
     assert rows and all(r["max_abs_diff"] == 0 for r in rows)
-    assert any(r["size"] is None for r in rows)  # a size past the largest ran eagerly
+    assert any(r["key"] is None for r in rows)  # a size past the largest ran eagerly
+    assert all(p["stats"]["eager_by_reason"]["past_largest"] >= 1 for p in results["phases"].values())
 
 
 @pytest.mark.parametrize("mode", ['{"decode": "ful"}', "{decode", "decode=fast"])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from devgraph.errors import ConfigError
-from devgraph.inputs import StaticInput
+from devgraph.inputs import Fill, StaticInput
 from devgraph.keys import REQUESTS
 from devgraph.reference.model import ReferenceModel
 
@@ -178,7 +178,7 @@ decode_context = batch_context
 prefill_context = batch_context
 
 
-def padding_fill(model: ReferenceModel) -> dict[str, int | str]:
+def padding_fill(model: ReferenceModel) -> dict[str, Fill]:
     """Fill per input for padding rows: tokens write only the scratch slot; padded requests have length 0."""
     return {
         "input_ids": 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: GQA attention over this layer's paged KV cache, then a SwiGLU MLP."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
 
     def __init__(self, config: ReferenceConfig, generator: torch.Generator, device: torch.device) -> None:
         super().__init__()
@@ -128,6 +132,10 @@ class ReferenceModel(nn.Module):
     Every weight is frozen (``requires_grad=False``).
     """
 
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    layers: nn.ModuleList
+
     def __init__(
         self, config: ReferenceConfig, device: torch.device | str | None = None, seed: int = 0
     ) -> None:
@@ -160,11 +168,11 @@ class ReferenceModel(nn.Module):
 
     @property
     def k_cache(self) -> list[torch.Tensor]:
-        return [layer.k_cache for layer in self.layers]
+        return [cast(DecoderLayer, layer).k_cache for layer in self.layers]
 
     @property
     def v_cache(self) -> list[torch.Tensor]:
-        return [layer.v_cache for layer in self.layers]
+        return [cast(DecoderLayer, layer).v_cache for layer in self.layers]
 
     @torch.no_grad()
     def randomize_cache(self, seed: int = 0) -> None:

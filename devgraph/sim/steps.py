@@ -80,10 +80,11 @@ def opaque_step(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     grad = torch.is_grad_enabled()
     raw = fn
 
-    def fn(*a: Any, **k: Any) -> Any:
+    def call(*a: Any, **k: Any) -> Any:
         with torch.set_grad_enabled(grad):
             return raw(*a, **k)
 
+    fn = call
     if isinstance(result, torch.Tensor):
         captured = result
 

@@ -132,7 +132,7 @@ def compile_forward(
             # Python floats of the model (an RMSNorm eps, an attention scale) stay constants: as graph
             # inputs they would reach ops that take a float through a host read.
             with (
-                fx_config.patch(backed_size_oblivious=True, use_duck_shape=False),
+                fx_config.patch(backed_size_oblivious=True, use_duck_shape=False),  # type: ignore[attr-defined]
                 torch._dynamo.config.patch(specialize_float=True),
             ):
                 return compiled(*args, **kwargs)
@@ -162,7 +162,8 @@ def inductor_compile(
 
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches["triton.cudagraphs"] = False
-    return compile_fx(module, example, config_patches=patches)
+    compiled: Callable[..., Any] = compile_fx(module, example, config_patches=patches)  # type: ignore[assignment]
+    return compiled
 
 
 class CompileSession:

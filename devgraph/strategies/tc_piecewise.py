@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,11 +49,12 @@ def _split_at_breaks(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, li
             current += 1
         else:
             partition[node] = current
-    split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
+    split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)  # type: ignore[arg-type]
     pieces: list[str] = []
     breaks: list[str] = []
     for name, sub in split.named_children():
-        has_break = any(n.op == "call_function" and is_break_target(n.target) for n in sub.graph.nodes)
+        graph = cast(torch.fx.GraphModule, sub).graph
+        has_break = any(n.op == "call_function" and is_break_target(n.target) for n in graph.nodes)
         (breaks if has_break else pieces).append(name)
     return split, pieces, breaks
 
@@ -63,7 +64,7 @@ def _piece_example_inputs(
 ) -> dict[str, list[Any]]:
     """Run ``split`` on dynamo's fake (symbolic) inputs to learn each piece's example inputs."""
     fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = next(x.fake_mode for x in fakes if isinstance(x, torch.Tensor))
+    fake_mode = next(x.fake_mode for x in fakes if isinstance(x, torch.Tensor))  # type: ignore[attr-defined]
     wanted = set(pieces)
     seen: dict[str, list[Any]] = {}
 

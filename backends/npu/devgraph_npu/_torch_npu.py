@@ -145,6 +145,8 @@ def version() -> str:
 def supports_host_update() -> bool:
     """Whether ``torch.npu.graph`` takes ``auto_dispatch_capture`` (needed for ``NPUGraph.update``)."""
     graph = getattr(npu(), "graph", None)
+    if graph is None:
+        return False
     try:
         return "auto_dispatch_capture" in inspect.signature(graph).parameters
     except (TypeError, ValueError):

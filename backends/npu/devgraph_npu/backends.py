@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -125,7 +125,7 @@ class NpuFullGraphBackend(FullGraphBackend):
         if entry is not None and self._host_updates and self._updatable.get(key, True):
             update = self.host_update_input(key, static_inputs)
             try:
-                self.platform.update_graph(entry.graph, [update])
+                self.platform.update_graph(cast(_FullEntry, entry).graph, [update])
             except Exception as exc:
                 raise ReplayError(
                     f"NPUGraph.update of the graph for {key} with host-side inputs {sorted(update)} "
