@@ -12,7 +12,7 @@ from torch import nn
 from devgraph.reference.attention import PagedMetadata, paged_attention, sdpa_attention
 from devgraph.reference.config import ReferenceConfig
 
-__all__ = ["ReferenceModel", "RMSNorm", "DecoderLayer", "draw_weight"]
+__all__ = ["ReferenceModel", "RMSNorm", "DecoderLayer", "draw_weight", "rope_tables"]
 
 
 def draw_weight(
@@ -39,6 +39,15 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(config: ReferenceConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``[max_seq_len, head_dim / 2]`` in float32 (bf16 angles are too coarse at long
+    positions), indexed by positions."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half)
+    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,12 +158,9 @@ class ReferenceModel(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(config, generator, device) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=config.dtype)
-        # RoPE tables in float32 (bf16 angles are too coarse at long positions), indexed by positions.
-        half = config.head_dim // 2
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half)
-        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)
-        self.register_buffer("rope_cos", angles.cos().float().to(device), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().float().to(device), persistent=False)
+        cos, sin = rope_tables(config, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def device(self) -> torch.device:

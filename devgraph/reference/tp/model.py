@@ -24,7 +24,7 @@ from torch import nn
 from devgraph.errors import ConfigError
 from devgraph.reference.attention import PagedMetadata
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, _rotate
+from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, _rotate, rope_tables
 from devgraph.reference.tp.comm import TPComm
 
 __all__ = ["TPDecoderLayer", "TPReferenceModel"]
@@ -149,11 +149,9 @@ class TPReferenceModel(ReferenceModel):
             TPDecoderLayer(config, draw, self.comm, device) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=config.dtype)
-        half = config.head_dim // 2
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half)
-        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)
-        self.register_buffer("rope_cos", angles.cos().float().to(device), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().float().to(device), persistent=False)
+        cos, sin = rope_tables(config, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def group(self) -> Any:
