@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from devgraph import ConfigError, GraphRunner, StaticInput, resolve_platform
+from devgraph import BackendUnavailableError, ConfigError, GraphRunner, StaticInput, resolve_platform
 from devgraph.strategies import BreakableBackend, FullGraphBackend
 
 SIZES = [1, 2, 4, 8]
@@ -282,3 +282,9 @@ def unused_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_runner_on_npu_without_torch_npu_gives_the_install_hint():
+    # The NPU plug-in is installed here, torch-npu is not: the runner says what to install, as `info` does.
+    with pytest.raises(BackendUnavailableError, match="pip install 'devgraph-npu\\[ascend\\]'"):
+        GraphRunner(lambda x: x, phase="decode", inputs={"x": StaticInput(torch.float32)}, device="npu")

@@ -400,3 +400,22 @@ def test_reference_break_ops_replay_exactly_in_any_size_order(mode):
             batch = make_decode_batch(model, n, seed=10 + n)
             steps[n] = (batch_context(batch), batch)
         _replay_in_random_orders(runner, steps, seed=1)
+
+
+def test_tc_piecewise_eager_pieces_are_captured_op_by_op_so_a_host_sync_is_caught():
+    # An eager-compiled piece runs its FX graph under the simulator's recorder, so `.item()` inside it fails
+    # capture as on a device, instead of being recorded whole and re-read live at every replay.
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2.0
+        return y + float(y.sum().item())
+
+    runner = GraphRunner(
+        forward,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (4,))},
+        sizes=[1, 2],
+        mode="tc_piecewise",
+    )
+    with pytest.raises(CaptureError, match=r"\.item\(\)"):
+        runner.capture()
+    assert runner.backend.captured_keys() == []
