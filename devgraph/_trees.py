@@ -39,12 +39,17 @@ def max_abs_diff(a: Any, b: Any) -> float:
 
 
 def max_abs(a: Any) -> float:
-    """Largest absolute value over the floating-point (or complex) tensors of a pytree; 0 if none."""
-    values = [
-        t.detach().abs().nan_to_num(0.0).max().item()
-        for t in tensor_leaves(a)
-        if t.numel() and (t.is_floating_point() or t.is_complex())
-    ]
+    """Largest finite absolute value over the floating-point (or complex) tensors of a pytree; 0 if none.
+
+    Infinities (a logit masked with -inf) and NaN are left out: a tolerance scaled by them passes anything.
+    """
+    values = []
+    for t in tensor_leaves(a):
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            magnitude = t.detach().abs()
+            finite = magnitude[torch.isfinite(magnitude)]
+            if finite.numel():
+                values.append(finite.max().item())
     return max(values, default=0.0)
 
 

@@ -63,14 +63,14 @@ def _is_lazy_handle(exc: BaseException) -> bool:
     return any(n in text for n in ("cublas_status_not_initialized", "cublascreate", "hipblascreate"))
 
 
-def _warm_up(phase: str, max_size: int) -> str:
+def _warm_up(phase: str, max_size: int, backend: str) -> str:
     return (
         "a library created a handle or workspace inside the capture: warm the forward up on the capture "
         "stream first (warmup_iters >= 1, or the flag's warmup_iters), so it happens before capture"
     )
 
 
-def _oom(phase: str, max_size: int) -> str:
+def _oom(phase: str, max_size: int, backend: str) -> str:
     return (
         f"capture fewer or smaller sizes (max_size is {max_size}: pass a lower max_size or an explicit "
         "sizes list), leave more device memory free (a smaller KV cache), or disable graphs for this phase "
@@ -78,7 +78,7 @@ def _oom(phase: str, max_size: int) -> str:
     )
 
 
-def _aliasing(phase: str, max_size: int) -> str:
+def _aliasing(phase: str, max_size: int, backend: str) -> str:
     return (
         "a @devgraph.graph_break op returned a view of one of its inputs; break ops must return new "
         "tensors (return out.clone() or build the result with a new tensor). Changing sizes or modes "
@@ -86,7 +86,7 @@ def _aliasing(phase: str, max_size: int) -> str:
     )
 
 
-def _dynamo(phase: str, max_size: int) -> str:
+def _dynamo(phase: str, max_size: int, backend: str) -> str:
     return (
         "torch.compile could not trace the forward as one graph: move the untraceable code into a "
         f"@devgraph.graph_break op, or use a mode that does not compile (--device-graph-mode "
@@ -94,31 +94,41 @@ def _dynamo(phase: str, max_size: int) -> str:
     )
 
 
-def _host_sync(phase: str, max_size: int) -> str:
+def _host_sync(phase: str, max_size: int, backend: str) -> str:
     return (
         "remove host reads (.item(), .tolist(), .cpu(), bool(tensor), printing) and data-dependent shapes "
         "(nonzero, boolean-mask indexing) from the captured forward; read per-step host values from the "
-        "forward context, or wrap the op in a @devgraph.graph_break op and use --device-graph-mode "
-        f"'{phase}=breakable' so it runs eagerly between graph segments"
+        "forward context, or wrap the op in a @devgraph.graph_break op"
+        + (
+            " (already under breakable: the op itself must be the break op)"
+            if backend == "breakable"
+            else f" and use --device-graph-mode '{phase}=breakable' so it runs eagerly between graph segments"
+        )
     )
 
 
-def _recompile(phase: str, max_size: int) -> str:
+def _recompile(phase: str, max_size: int, backend: str) -> str:
     return (
         "keep every input in the runner's static buffers (same dtype, device and rank each step) and keep "
         "Python values the forward branches on fixed; run with TORCH_LOGS=recompiles to see the guard"
     )
 
 
-def _generic(phase: str, max_size: int) -> str:
+def _generic(phase: str, max_size: int, backend: str) -> str:
     return (
-        f"run the forward eagerly on the same inputs to see whether it fails outside capture too; if only "
-        f"capture fails, switch this phase to another mode (--device-graph-mode '{phase}=breakable' or "
-        f"'{phase}=disabled') or move the failing op into a @devgraph.graph_break op"
+        "run the forward eagerly on the same inputs to see whether it fails outside capture too; if only "
+        f"capture fails, switch this phase to another mode ({_other_modes(phase, backend)}) or move the "
+        "failing op into a @devgraph.graph_break op"
     )
 
 
-_TABLE: tuple[tuple[str, Callable[[BaseException], bool], Callable[[str, int], str]], ...] = (
+def _other_modes(phase: str, backend: str) -> str:
+    """Modes to try instead of ``backend`` (never the one that just failed)."""
+    options = [m for m in ("breakable", "disabled") if m != backend]
+    return " or ".join(f"--device-graph-mode '{phase}={m}'" for m in options)
+
+
+_TABLE: tuple[tuple[str, Callable[[BaseException], bool], Callable[[str, int, str], str]], ...] = (
     ("out_of_memory", _is_oom, _oom),
     ("no_warm_up", _is_lazy_handle, _warm_up),
     ("break_op_returns_view", _is_aliasing_break, _aliasing),
@@ -128,7 +138,7 @@ _TABLE: tuple[tuple[str, Callable[[BaseException], bool], Callable[[str, int], s
 )
 
 
-def diagnose(exc: BaseException, *, phase: str, max_size: int) -> Cause:
+def diagnose(exc: BaseException, *, phase: str, max_size: int, backend: str = "") -> Cause:
     """The cause of a capture failure and the advice that applies to it."""
     seen: set[int] = set()
     current: BaseException | None = exc
@@ -136,6 +146,6 @@ def diagnose(exc: BaseException, *, phase: str, max_size: int) -> Cause:
         seen.add(id(current))
         for name, matches, advice in _TABLE:
             if matches(current):
-                return Cause(name, advice(phase, max_size))
+                return Cause(name, advice(phase, max_size, backend))
         current = current.__cause__ or current.__context__
-    return Cause("unknown", _generic(phase, max_size))
+    return Cause("unknown", _generic(phase, max_size, backend))

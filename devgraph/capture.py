@@ -148,17 +148,19 @@ def _capture_one(job: CaptureJob, key: GraphKey) -> KeyReport:
 
 
 def _capture_key(job: CaptureJob, key: GraphKey) -> KeyReport:
-    inputs = job.inputs_for(key)
     context = job.capture_context(key) if job.capture_context is not None else None
     job.ready(key)
     platform = job.platform
     try:
         with forward_context(context), torch.no_grad():
+            # Fresh aliases of the static buffers for every run: a forward that changes an input's metadata
+            # in place (x.unsqueeze_(0)) changes only the aliases of that run.
             for _ in range(job.warmup_iters):
-                job.forward(**inputs)
+                job.forward(**job.inputs_for(key))
             job.barrier()
             before = platform.reserved_bytes()
             t0 = time.perf_counter()
+            inputs = job.inputs_for(key)
             outputs = job.backend.capture_one(key, lambda: job.forward(**inputs))
             platform.synchronize()
             seconds = time.perf_counter() - t0
@@ -172,7 +174,7 @@ def capture_failure(exc: Exception, job: CaptureJob, key: GraphKey) -> CaptureEr
     """One :class:`CaptureError` naming the key, what failed and the advice for its cause."""
     translated = job.platform.translate_capture_error(exc, key.tokens)
     detail = str(translated) if translated is not None else f"{type(exc).__name__}: {exc}"
-    cause = diagnose(exc, phase=job.phase, max_size=job.max_size)
+    cause = diagnose(exc, phase=job.phase, max_size=job.max_size, backend=job.backend.name)
     error = CaptureError(
         f"capturing the {job.phase} graph for {key} with backend {job.backend.name} on "
         f"{job.platform.name} failed: {detail.rstrip('.')}. What to do: {cause.advice}. "

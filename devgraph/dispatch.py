@@ -9,7 +9,7 @@ every reason, so no eager fallback is silent.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -90,6 +90,7 @@ class Dispatcher:
         has_shape: Callable[[GraphKey], bool],
         lazy: bool = False,
         can_run: Callable[[GraphKey], bool] | None = None,
+        failed: Container[GraphKey] = (),
     ) -> Decision:
         """Route a step, then check the runner's state: a key replays only if its graph exists (or, for a
         lazily capturing runner, will be captured now) and ``can_run`` (the backend's veto) allows it."""
@@ -101,7 +102,8 @@ class Dispatcher:
         key = decision.key
         if key is None:
             return decision
-        if not lazy and not has_shape(key):
+        if (not lazy and not has_shape(key)) or (lazy and key in failed):
+            # Not captured; for a lazy runner, its capture failed once (raised then), so it runs eagerly.
             return Decision(None, EagerReason.NOT_CAPTURED)
         if can_run is not None and not can_run(key):
             return Decision(None, EagerReason.BACKEND_DECLINED)

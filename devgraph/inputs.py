@@ -96,18 +96,24 @@ def _check_fill(fill: object, dtype: torch.dtype) -> None:
             )
         return
     if dtype.is_floating_point or dtype.is_complex:
-        if isinstance(fill, float) and math.isnan(fill):
-            return  # NaN is representable; the caller asked for it
-        # Rounding to the dtype is expected for floats; overflowing to infinity is not.
-        stored = torch.tensor(float(fill), dtype=torch.float64).to(dtype).to(torch.float64).item()
-        if math.isinf(stored) and not math.isinf(float(fill)):
-            raise ConfigError(f"StaticInput fill {fill!r} overflows {dtype} (it would become {stored!r})")
+        try:
+            value = float(fill)
+        except OverflowError:  # an int too large for any float
+            raise ConfigError(f"StaticInput fill {shorten(fill)} overflows {dtype}") from None
+        if math.isnan(value) or math.isinf(value):
+            return  # NaN and infinities are representable; the caller asked for them
+        # Rounding to the dtype is expected for floats; overflowing (to infinity, or saturating to the
+        # largest finite value, as float8 does) is not.
+        largest = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+        stored = torch.tensor(value, dtype=torch.float64).to(dtype).to(torch.float64).item()
+        if abs(value) > largest or (math.isinf(stored) and not math.isinf(value)):
+            raise ConfigError(f"StaticInput fill {fill!r} overflows {dtype} (largest finite: {largest:g})")
         return
     if isinstance(fill, float) and not fill.is_integer():
         raise ConfigError(f"StaticInput fill {fill!r} is not an integer but the dtype is {dtype}")
     info = torch.iinfo(dtype)
-    if not info.min <= int(fill) <= info.max:
+    if not info.min <= int(fill) <= info.max:  # an int of any size compares exactly
         raise ConfigError(
-            f"StaticInput fill {fill!r} is outside {dtype}'s range [{info.min}, {info.max}]; "
+            f"StaticInput fill {shorten(fill)} is outside {dtype}'s range [{info.min}, {info.max}]; "
             "it would wrap around to another value"
         )

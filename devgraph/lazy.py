@@ -124,6 +124,8 @@ class LazyGraphs:
         release: Callable[[GraphKey], None],
     ) -> None:
         self.keys = LruKeys(policy)
+        # Keys whose capture failed (the error was raised once): later steps of them run eagerly, counted.
+        self.failed: set[GraphKey] = set()
         self._stats = stats
         self._has_graph = has_graph
         self._capture = capture
@@ -150,3 +152,4 @@ class LazyGraphs:
 
     def clear(self) -> None:
         self.keys.clear()
+        self.failed.clear()

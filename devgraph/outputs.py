@@ -78,7 +78,11 @@ def _register(kind: type) -> None:
 
         def unflatten_fn(values: Any, context: Any) -> Any:
             values = list(values)
-            obj = kind(**dict(zip(init_fields, values[: len(init_fields)], strict=True)))
+            # The fields are restored without calling __init__: a hand-written one may take other arguments,
+            # and __post_init__ already ran when the forward built the original.
+            obj = kind.__new__(kind)
+            for name, value in zip(init_fields, values[: len(init_fields)], strict=True):
+                object.__setattr__(obj, name, value)
             for name, value in zip(other, values[len(init_fields) :], strict=True):
                 if value is not _UNSET:
                     object.__setattr__(obj, name, value)  # frozen dataclasses too
@@ -132,6 +136,12 @@ def copy_into_out(result: Any, out: Any) -> Any:
     """
     got, got_spec = flatten(result)
     want, want_spec = flatten(out)
+    if not same_structure(got_spec, want_spec) and isinstance(result, dict) and isinstance(out, dict):
+        # The same keys in another order: match the leaves by key path, not by position.
+        by_path = dict(zip(_leaf_paths(out, len(want)), want, strict=True))
+        paths = _leaf_paths(result, len(got))
+        if set(paths) == set(by_path):
+            want, want_spec = [by_path[p] for p in paths], got_spec
     if not same_structure(got_spec, want_spec):
         raise InputError(
             f"out= must have the structure of the step's outputs ({shorten(got_spec, 200)}), "
@@ -202,6 +212,9 @@ class OutputLayout:
         self.spec: pytree.TreeSpec | None = None
         self.paths: list[str] = []
         self._shapes: dict[GraphKey, list[tuple[int, ...] | None]] = {}
+        # Per key, the captured outputs' leaves: each step rebuilds a fresh container from them, so a
+        # caller who edits the container it got (pops a key, replaces a leaf) changes no later step.
+        self._leaves: dict[GraphKey, list[Any]] = {}
 
     @property
     def axes(self) -> tuple[str | None, ...] | None:
@@ -246,6 +259,7 @@ class OutputLayout:
         """Fix each leaf's rows from the declaration or from the observed shapes."""
         declared = self._declared_rows()
         if declared is not None:
+            self._check_declared(declared)
             self.rows = declared
             return
         if not self._shapes:
@@ -294,18 +308,47 @@ class OutputLayout:
             )
         return rows
 
+    def _check_declared(self, rows: tuple[RowAxis | None, ...]) -> None:
+        """A declared row axis must match every captured key's leading dimension."""
+        for key, shapes in self._shapes.items():
+            for path, row, shape in zip(self.paths, rows, shapes, strict=True):
+                if row is None:
+                    continue
+                want = key.size(row[0]) + row[1]
+                if shape is None or shape[0] != want:
+                    got = "no leading dimension" if shape is None else f"{shape[0]} rows"
+                    axis = row[0] + (f"+{row[1]}" if row[1] else "")
+                    raise ConfigError(
+                        f"output_axes says output {path} follows {axis}, so it should have {want} rows at "
+                        f"{key}, but it has {got}; fix output_axes (None for outputs whose first dimension "
+                        "is not one row per token or request)"
+                    )
+
     def forget(self, key: GraphKey) -> None:
         self._shapes.pop(key, None)
+        self._leaves.pop(key, None)
 
     # -- per step -----------------------------------------------------------------------------------
-    def slice(self, outputs: Any, counts: Mapping[str, int], key: GraphKey) -> Any:
-        """``outputs`` of a replay of ``key`` with every row-major leaf cut to the step's real count."""
+    def slice(self, outputs: Any, counts: Mapping[str, int], key: GraphKey, *, replay: bool = True) -> Any:
+        """``outputs`` of ``key`` in a fresh container, every row-major leaf cut to the step's real count.
+
+        ``replay``: the outputs are the graph's own (the same objects every replay); their leaves are read
+        once per key. Otherwise (an eager run on the padded buffers) they are read each time.
+        """
+        if isinstance(outputs, torch.Tensor):
+            row = self.rows[0] if self.rows else None
+            if row is None or counts[row[0]] == key.size(row[0]):
+                return outputs
+            return outputs[: counts[row[0]] + row[1]]
+        leaves = self._leaves.get(key) if replay else None
+        if leaves is None:  # the first replay: the graph's own container, never handed out itself
+            leaves = pytree.tree_flatten(outputs)[0]
+            if replay:
+                self._leaves[key] = leaves
+        spec = self.spec if self.spec is not None else pytree.tree_flatten(outputs)[1]
         rows = self.rows
         if rows is None or not any(rows):
-            return outputs
-        if all(counts[r[0]] == key.size(r[0]) for r in rows if r is not None):
-            return outputs  # nothing was padded
-        leaves, spec = pytree.tree_flatten(outputs)
+            return pytree.tree_unflatten(list(leaves), spec)
         cut = [
             leaf[: counts[row[0]] + row[1]] if row is not None and isinstance(leaf, torch.Tensor) else leaf
             for leaf, row in zip(leaves, rows, strict=True)

@@ -168,10 +168,19 @@ class GraphRunner:
         return sorted(self.backend.captured_keys(), key=GraphKey.sort_key)
 
     def bucket(self, n: int) -> int | None:
-        """The token size a step of ``n`` tokens pads up to (``None``: it runs eagerly)."""
+        """The token size a step of ``n`` tokens would replay now (``None``: it would run eagerly)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return None
         counts = {"tokens": n, **{a: 1 for a in self.schedule.axis_names}}
         variant = {name: values[0] for name, values in self.schedule.variants.items()}
-        key = self._dispatcher.route(counts, variant).key
+        key = self._dispatcher.decide(
+            counts,
+            variant,
+            uses_graphs=self.backend.uses_graphs,
+            captured=self._captured,
+            has_shape=self.backend.has_shape,
+            lazy=self.lazy,
+        ).key
         return key.tokens if key is not None else None
 
     # -- capture ------------------------------------------------------------------------------------
@@ -231,8 +240,11 @@ class GraphRunner:
                 reports = capture_keys(job, keys)
             except BaseException:
                 if self.lazy:
-                    for key in keys:
+                    for key in keys:  # this key only: graphs captured earlier keep serving
                         self._layout.forget(key)
+                        if self.backend.has_shape(key):
+                            self.backend.release(key)
+                        self._lazy.failed.add(key)
                 else:
                     self.backend.cleanup()
                 raise
@@ -286,6 +298,7 @@ class GraphRunner:
             captured=self._captured,
             has_shape=backend.has_shape,
             lazy=self.lazy,
+            failed=self._lazy.failed,
             can_run=(lambda key: backend.can_run(Batch(step.n, key, step.counts, context)))
             if self._check_can_run
             else None,
@@ -320,12 +333,14 @@ class GraphRunner:
     def _eager(self, context: Any, variant: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> Any:
         # The forward gets its own copies, as on the graph path: its in-place changes never reach the caller.
         owned = {name: value.clone() for name, value in inputs.items()}
+        # The plain forward, never the compiled one: an eager step can never trigger a recompile.
         with forward_context(context), torch.no_grad():
-            return self._graph_forward(**owned, **variant)
+            return self.forward(**owned, **variant)
 
     def _release_key(self, key: GraphKey) -> None:
         self.backend.release(key)
         self._key_reports.pop(key, None)
+        self._layout.forget(key)
 
     # -- checks -------------------------------------------------------------------------------------
     def verify(
@@ -360,7 +375,7 @@ class GraphRunner:
                     self._buffers.stage(step.counts, key, inputs)
                     with forward_context(context), torch.no_grad():
                         raw = self._graph_forward(**self._buffers.views(key), **chosen)
-                    padded = copy_tree(self._layout.slice(raw, step.counts, key))
+                    padded = copy_tree(self._layout.slice(raw, step.counts, key, replay=False))
             return compare(step.n, key, graph, padded, unpadded, rtol)
 
     # -- inspection ---------------------------------------------------------------------------------
@@ -392,6 +407,7 @@ class GraphRunner:
                 self._lazy.clear()
                 self._key_reports.clear()
                 self._captured = False
+                self.report = None
                 self._closed = True
 
     def _check_open(self) -> None:

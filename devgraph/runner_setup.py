@@ -204,10 +204,23 @@ def probe_layout(runner: Any, key: GraphKey) -> None:
             (spec.rows(sizes[spec.axis]), *spec.shape), fill, dtype=spec.dtype, device=device
         )
     probe = GraphKey.of(sizes[TOKENS], {a: sizes[a] for a in key.axis_names}, key.variant_dict)
-    context = runner.capture_context(key) if runner.capture_context is not None else None
     logger.debug("devgraph: probing output layout of the %s runner at %s", runner.phase, probe)
-    with forward_context(context), torch.no_grad():
-        layout.observe(probe, runner._graph_forward(**inputs, **key.variant_dict))
+    try:
+        context = runner.capture_context(probe) if runner.capture_context is not None else None
+        with forward_context(context), torch.no_grad():
+            outputs = runner._graph_forward(**inputs, **key.variant_dict)
+    except Exception as exc:  # a forward that only takes certain sizes: learn from the captured keys alone
+        logger.warning(
+            "devgraph: the %s runner could not run its forward at %s to learn which outputs are row-major "
+            "(%s: %s); outputs whose first dimension equals the token count are cut to it. Pass "
+            "output_axes= to declare them",
+            runner.phase,
+            probe,
+            type(exc).__name__,
+            shorten(str(exc), 160),
+        )
+        return
+    layout.observe(probe, outputs)
 
 
 def check_inputs(phase: str, inputs: Any, reserved: frozenset[str]) -> dict[str, StaticInput]:

@@ -77,6 +77,12 @@ class KeySchedule:
                 ) from None
             if not chosen:
                 raise ConfigError(f"variant {name!r} needs at least one value to capture")
+            if len({(type(v), v) for v in values}) != len(chosen):
+                # 1 and True (or 1 and 1.0) are one dict key: their graphs would be one graph.
+                raise ConfigError(
+                    f"variant {name!r} has values that compare equal but differ ({shorten(tuple(values))}); "
+                    "declare values that are distinct under ==, e.g. only bools or only ints"
+                )
             self.variants[name] = chosen
 
     def _buckets(self, axis: str, tokens: int, sizes: AxisSizes | None) -> tuple[int, ...]:

@@ -186,36 +186,34 @@ class StaticBuffers:
     def __init__(self, specs: Mapping[str, StaticInput], max_rows: Mapping[str, int], device: torch.device):
         self.specs = dict(specs)
         self.buffers: dict[str, torch.Tensor] = {}
-        for name, spec in specs.items():
-            where = torch.device("cpu") if spec.host else device
-            rows = spec.rows(max_rows[spec.axis])
-            self.buffers[name] = torch.full(
-                (rows, *spec.shape), _resting(spec.fill), dtype=spec.dtype, device=where
-            )
+        # Ordinary tensors even when the runner is built under torch.inference_mode(): steps may come from
+        # a thread outside it, and inference tensors cannot be written there.
+        with torch.inference_mode(False):
+            for name, spec in specs.items():
+                where = torch.device("cpu") if spec.host else device
+                rows = spec.rows(max_rows[spec.axis])
+                self.buffers[name] = torch.full(
+                    (rows, *spec.shape), _resting(spec.fill), dtype=spec.dtype, device=where
+                )
         # (name, buffer, axis, extra rows, fill) in declaration order: the per-step loop reads only this.
         self._plan = tuple(
             (name, self.buffers[name], spec.axis, spec.extra_rows, spec.fill) for name, spec in specs.items()
         )
-        self._views: dict[GraphKey, dict[str, torch.Tensor]] = {}
-
     def views(self, key: GraphKey) -> dict[str, torch.Tensor]:
-        """Per-input aliases of the rows ``key`` covers (cached: the same tensors every time)."""
-        views = self._views.get(key)
-        if views is None:
-            views = {
-                name: leading_rows(buf, extra + key.size(axis)) for name, buf, axis, extra, _ in self._plan
-            }
-            self._views[key] = views
-        return views
+        """Per-input aliases of the rows ``key`` covers, new ones each call (a forward that changes an
+        input's metadata in place, ``x.unsqueeze_(0)``, changes only the aliases it was given)."""
+        return {name: leading_rows(buf, extra + key.size(axis)) for name, buf, axis, extra, _ in self._plan}
 
     def stage(self, counts: Mapping[str, int], key: GraphKey, inputs: Mapping[str, torch.Tensor]) -> None:
         """Copy validated inputs into the buffers and pad every axis up to ``key`` with its fill."""
-        for name, buf, axis, extra, fill in self._plan:
-            real = counts[axis] + extra
-            padded = key.size(axis) + extra
-            buf[:real].copy_(inputs[name])
-            if real < padded:
-                _pad(buf, real, padded, fill)
+        # No autograd: an input that requires grad must not chain the static buffer to its graph.
+        with torch.no_grad():
+            for name, buf, axis, extra, fill in self._plan:
+                real = counts[axis] + extra
+                padded = key.size(axis) + extra
+                buf[:real].copy_(inputs[name])
+                if real < padded:
+                    _pad(buf, real, padded, fill)
 
     def reset(self) -> None:
         """Every row back to its fill (capture runs on harmless rows only)."""
@@ -225,7 +223,6 @@ class StaticBuffers:
     def clear(self) -> None:
         self.buffers = {}
         self._plan = ()
-        self._views.clear()
 
 
 def _resting(fill: Any) -> int | float | bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -156,3 +157,29 @@ def test_a_library_handle_created_inside_capture_gets_warm_up_advice():
     cause = diagnose(error, phase="decode", max_size=64)
     assert cause.name == "no_warm_up"
     assert "warmup_iters" in cause.advice and "max_size" not in cause.advice
+
+
+def test_advice_under_breakable_never_suggests_breakable():
+    cause = diagnose(RuntimeError("something odd"), phase="prefill", max_size=64, backend="breakable")
+    assert "prefill=breakable" not in cause.advice and "prefill=disabled" in cause.advice
+    sync = diagnose(CaptureError("x", op="aten.nonzero"), phase="prefill", max_size=64, backend="breakable")
+    assert "prefill=breakable" not in sync.advice
+
+
+def test_a_forward_that_takes_only_some_sizes_still_captures_when_the_layout_probe_fails(caplog):
+    # The probe runs one size below the captured one; this forward needs a multiple of 8 rows.
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, 8, x.shape[-1]).sum(1).repeat_interleave(8, 0)
+
+    runner = GraphRunner(
+        forward,
+        phase="prefill",
+        inputs={"x": StaticInput(torch.float32, (2,))},
+        device="cpu",
+        mode="full",
+        sizes=[16],
+    )
+    with caplog.at_level(logging.WARNING, logger="devgraph.runner"):
+        runner.capture()
+    assert any("output_axes" in r.getMessage() for r in caplog.records)
+    assert runner.run(x=torch.ones(16, 2)).shape == (16, 2)

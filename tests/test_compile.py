@@ -66,7 +66,7 @@ def test_on_recompile_raise_from_the_flag():
     assert runner.inspect()["recompiles"] == 1
 
 
-def test_on_recompile_raise_from_backend_options_on_an_eager_step():
+def test_on_recompile_raise_from_backend_options_and_eager_steps_never_compile():
     from devgraph import resolve_platform
 
     backend = TcPiecewiseBackend(
@@ -74,12 +74,15 @@ def test_on_recompile_raise_from_backend_options_on_an_eager_step():
     )
     runner = make(mode=None, backend=backend)
     runner.capture()
-    runner.run(x=torch.ones(3, 3))  # past the largest size: eager through the compiled forward, no recompile
-    FLAGS["double"] = True
+    FLAGS["double"] = True  # a Python value the compiled forward branched on changes
     try:
         runner.run(x=torch.ones(2, 3))  # a replay never enters dynamo
+        # Eager steps run the plain forward: past the largest size nothing compiles, whatever changed.
+        torch.testing.assert_close(runner.run(x=torch.ones(3, 3)), forward(torch.ones(3, 3)))
+        assert runner.inspect()["recompiles"] == 0
+        # verify() runs the compiled forward on the padded buffers: there the guard fails and raises.
         with pytest.raises(RecompileError, match="TORCH_LOGS=recompiles"):
-            runner.run(x=torch.ones(3, 3))  # the eager path does, and the guard on the flag fails
+            runner.verify(x=torch.ones(2, 3))
     finally:
         FLAGS["double"] = False
 

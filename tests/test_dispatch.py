@@ -181,4 +181,19 @@ def test_bucket_reports_the_padded_token_size():
         device="cpu",
         sizes=[1, 2, 4, 8],
     )
+    assert runner.bucket(3) is None  # before capture every step runs eagerly
+    runner.capture()
     assert [runner.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert [runner.bucket(n) for n in (0, -5)] == [None, None]
+
+
+def test_variant_values_that_compare_equal_are_refused():
+    with pytest.raises(ConfigError, match="compare equal"):
+        GraphRunner(
+            lambda x, lora: x,
+            phase="decode",
+            inputs={"x": StaticInput(torch.float32)},
+            device="cpu",
+            sizes=[1, 2],
+            variants={"lora": (1, True)},
+        )

@@ -97,3 +97,38 @@ def test_lazy_policy_bounds():
         LazyPolicy(max_graphs=0)
     with pytest.raises(ConfigError, match="max_bytes must be an int >= 0"):
         LazyPolicy(max_bytes=-1)
+
+
+def test_a_failed_lazy_capture_raises_once_then_runs_eagerly_counted():
+    def fails_at_32(x: torch.Tensor) -> torch.Tensor:
+        if is_capturing() and x.shape[0] == 32:
+            x.sum().item()
+        return x * 2
+
+    from devgraph import CaptureError
+
+    runner = lazy_runner(fails_at_32)
+    with pytest.raises(CaptureError, match="tokens=32"):
+        runner.run(x=torch.ones(20, 3))
+    # The same bucket again: no second capture attempt, no error, an eager step counted as not captured.
+    torch.testing.assert_close(runner.run(x=torch.ones(20, 3)), torch.full((20, 3), 2.0))
+    assert runner.stats()["eager_by_reason"]["not_captured"] == 1
+    assert GraphKey(32) not in runner.keys
+
+
+def test_a_lazy_key_whose_layout_fails_is_released_not_left_half_captured():
+    # Another output structure at the second bucket: the capture succeeds in the backend, the layout check
+    # fails after it; the key must not stay captured (every later step of it would say "already captured").
+    def shape_shifter(x: torch.Tensor) -> object:
+        return (x * 2,) if x.shape[0] <= 16 else {"y": x * 2}
+
+    from devgraph import ConfigError as LayoutError
+
+    runner = lazy_runner(shape_shifter)
+    runner.run(x=torch.ones(10, 3))
+    with pytest.raises(LayoutError, match="different output structure"):
+        runner.run(x=torch.ones(20, 3))
+    assert [str(k) for k in runner.keys] == ["tokens=16"]
+    out = runner.run(x=torch.ones(20, 3))  # eager now: no "already captured", no second capture
+    torch.testing.assert_close(out["y"], torch.full((20, 3), 2.0))
+    assert runner.stats()["eager_by_reason"]["not_captured"] == 1

@@ -377,3 +377,86 @@ def test_namedtuple_and_dict_keys_are_part_of_the_structure():
     nested = runner_on("graph", lambda x: {"a": x @ W})
     with pytest.raises(InputError, match="must have the structure"):
         nested.run(x=x_of(2), out={"b": torch.empty(2, 3)})
+
+
+@pytest.mark.parametrize("mode", ["full", "breakable", "tc_piecewise"])
+def test_each_step_gets_a_fresh_container_so_editing_it_changes_no_later_step(mode):
+    runner = GraphRunner(
+        lambda x: {"logits": x * 2, "hidden": x + 1},
+        phase="decode",
+        inputs=INPUTS,
+        device="cpu",
+        mode=mode,
+        sizes=SIZES,
+    )
+    runner.capture()
+    first = runner.run(x=torch.ones(4, 4))  # exactly a captured size: nothing cut
+    first["logits"] = first["logits"].double()
+    first.pop("hidden")
+    second = runner.run(x=torch.full((4, 4), 5.0))
+    assert set(second) == {"logits", "hidden"}
+    torch.testing.assert_close(second["logits"], torch.full((4, 4), 10.0))
+
+
+def test_dataclass_with_its_own_init_round_trips():
+    @dataclasses.dataclass(frozen=True)
+    class Scaled:
+        logits: torch.Tensor
+
+        def __init__(self, raw: torch.Tensor, scale: float) -> None:
+            object.__setattr__(self, "logits", raw * scale)
+
+    runner = GraphRunner(
+        lambda x: Scaled(x, 3.0), phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES
+    )
+    runner.capture()
+    out = runner.run(x=torch.ones(3, 4))
+    assert isinstance(out, Scaled) and out.logits.shape == (3, 4)
+    torch.testing.assert_close(out.logits, torch.full((3, 4), 3.0))
+
+
+def test_declared_output_axes_that_contradict_the_captured_shapes_are_refused():
+    table = torch.arange(10, dtype=torch.float32)
+    runner = GraphRunner(
+        lambda x: (x * 2, table * 1),
+        phase="decode",
+        inputs=INPUTS,
+        device="cpu",
+        mode="full",
+        sizes=SIZES,
+        output_axes=[None, "tokens"],  # swapped by mistake
+    )
+    with pytest.raises(ConfigError, match=r"output_axes says output \[1\] follows tokens"):
+        runner.capture()
+
+
+def test_out_dict_with_the_same_keys_in_another_order():
+    runner = GraphRunner(
+        lambda x: {"a": x * 2, "b": x + 1},
+        phase="decode",
+        inputs=INPUTS,
+        device="cpu",
+        mode="full",
+        sizes=SIZES,
+    )
+    runner.capture()
+    out = {"b": torch.empty(3, 4), "a": torch.empty(3, 4)}
+    runner.run(x=torch.ones(3, 4), out=out)
+    torch.testing.assert_close(out["a"], torch.full((3, 4), 2.0))
+    torch.testing.assert_close(out["b"], torch.full((3, 4), 2.0))
+
+
+def test_verify_is_not_fooled_by_infinite_outputs():
+    # A -inf mask in the logits must not scale the tolerance to infinity: a stale graph is still caught.
+    state = {"bias": torch.zeros(4)}
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        logits = x + state["bias"]
+        return logits.masked_fill(torch.arange(4) == 0, float("-inf"))
+
+    runner = GraphRunner(forward, phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES)
+    runner.capture()
+    assert runner.verify(x=torch.ones(3, 4)).ok
+    state["bias"] = torch.full((4,), 100.0)  # rebound, not copied: the graph is stale
+    result = runner.verify(x=torch.ones(3, 4))
+    assert not result.ok and result.max_abs_diff == pytest.approx(100.0)

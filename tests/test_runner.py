@@ -252,6 +252,7 @@ def test_close_releases_graph_memory_and_works_as_a_context_manager():
     gc.collect()
     assert runner.platform.reserved_bytes() == baseline
     assert runner.backend.captured_keys() == [] and runner.static_inputs == {}
+    assert runner.inspect()["captured"] is False and runner.inspect()["keys"] == {}
     runner.close()  # twice is fine
     for call in (runner.capture, lambda: runner.run(**batch(2)), lambda: runner.verify(**batch(2))):
         with pytest.raises(ConfigError, match="closed"):

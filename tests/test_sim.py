@@ -707,3 +707,17 @@ def test_opaque_calls_keep_their_side_effects(platform: CpuSimPlatform) -> None:
     assert state.tolist() == [1.0, 1.0]
     graph.replay()
     assert state.tolist() == [2.0, 2.0]
+
+
+def test_host_reads_inside_cpp_kernels_are_caught(platform: CpuSimPlatform) -> None:
+    # nn.TransformerEncoder's fast path reads the padding mask on the host to build nested tensors; a device
+    # capture rejects that, so the simulator must too (instead of baking the capture-time mask in).
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1)
+    encoder.eval()
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[False] * 5, [False, False, True, True, True]])
+    with torch.no_grad(), pytest.raises(CaptureError, match="nested_tensor_from_mask"):
+        _capture(platform, lambda: encoder(x, src_key_padding_mask=mask))
+    lengths = torch.tensor([5, 2])
+    with pytest.raises(CaptureError, match="pack_padded_sequence"):
+        _capture(platform, lambda: torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True))

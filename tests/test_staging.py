@@ -275,3 +275,60 @@ def test_input_declarations_are_checked_by_the_runner():
         GraphRunner(forward, phase="decode", inputs={"copy": StaticInput(torch.float32)}, device="cpu")
     with pytest.raises(ConfigError, match="at least one input"):
         GraphRunner(forward, phase="decode", inputs={}, device="cpu")
+
+
+def test_inputs_that_require_grad_do_not_chain_the_static_buffers_to_autograd():
+    layer = torch.nn.Linear(4, 4)  # its output requires grad: an engine that forgot no_grad upstream
+    runner = GraphRunner(
+        lambda x: x * 2,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (4,))},
+        device="cpu",
+        mode="full",
+        sizes=[1, 2, 4],
+    )
+    runner.capture()
+    for _ in range(3):
+        runner.run(x=layer(torch.ones(3, 4)))
+    buffer = runner.static_inputs["x"]
+    assert buffer.grad_fn is None and not buffer.requires_grad
+
+
+def test_a_runner_built_under_inference_mode_runs_outside_it():
+    with torch.inference_mode():
+        runner = GraphRunner(
+            lambda x: x * 2,
+            phase="decode",
+            inputs={"x": StaticInput(torch.float32, (4,))},
+            device="cpu",
+            mode="full",
+            sizes=[1, 2, 4],
+        )
+        runner.capture()
+    torch.testing.assert_close(runner.run(x=torch.ones(3, 4)), torch.full((3, 4), 2.0))
+
+
+def test_a_forward_changing_an_input_view_in_place_does_not_reach_later_keys():
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x.unsqueeze_(0)  # metadata only, on the runner's alias of its buffer
+        return x[0] * 2
+
+    runner = GraphRunner(
+        forward,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (4,))},
+        device="cpu",
+        mode="disabled",
+        sizes=[1, 2, 4],
+    )
+    out = runner.run(x=torch.ones(3, 4))
+    assert out.shape == (3, 4)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fill"), [(torch.float32, 10**400), (torch.float8_e4m3fn, 1000), (torch.int64, 10**400)]
+)
+def test_fills_that_overflow_are_refused_in_one_short_line(dtype, fill):
+    with pytest.raises(ConfigError, match="overflows|outside") as raised:
+        StaticInput(dtype, fill=fill)
+    assert len(str(raised.value)) < 200

@@ -419,3 +419,23 @@ def test_tc_piecewise_eager_pieces_are_captured_op_by_op_so_a_host_sync_is_caugh
     with pytest.raises(CaptureError, match=r"\.item\(\)"):
         runner.capture()
     assert runner.backend.captured_keys() == []
+
+
+@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+def test_a_break_op_whose_output_shape_changes_at_replay_raises_a_replay_error_naming_it(mode):
+    @graph_break("devgraph_test::rows_from_context", fake=lambda x: x.new_empty(x.shape))
+    def rows_from_context(x: torch.Tensor) -> torch.Tensor:
+        rows = getattr(devgraph.get_forward_context(), "rows", x.shape[0])
+        return torch.ones(rows, x.shape[1])  # shaped by a host value: not allowed for break ops
+
+    runner = GraphRunner(
+        lambda x: rows_from_context(x * 2) + 1,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (4,))},
+        device="cpu",
+        mode=mode,
+        sizes=[2, 4],
+    )
+    runner.capture()
+    with pytest.raises(devgraph.ReplayError, match="rows_from_context"):
+        runner.run(x=torch.ones(4, 4), context=type("Ctx", (), {"rows": 3})())

@@ -106,6 +106,17 @@ _RULES: dict[str, Rule] = {
     "aten.index": _when_bool_index(
         _DYNAMIC_SHAPE, "use torch.where(mask, x, fill) instead of boolean-mask indexing (`x[mask]`)"
     ),
+    # Nested tensors and packed sequences are built from values read on the host (a padding mask, the
+    # lengths): nn.TransformerEncoder's fast path with a src_key_padding_mask, pack_padded_sequence.
+    "aten._nested_tensor_from_mask_left_aligned": _always(
+        _HOST_SYNC, "pass the padding mask to a capturable attention (a float mask), or disable the fast path"
+    ),
+    "aten._nested_tensor_from_mask": _always(
+        _DYNAMIC_SHAPE, "use a dense padding mask instead of nested tensors in the captured forward"
+    ),
+    "aten._pack_padded_sequence": _always(
+        _DYNAMIC_SHAPE, "keep padded sequences and a mask in the captured forward, or pack outside it"
+    ),
     "aten.index_put": _when_bool_index(_HOST_SYNC, _MASK_ASSIGN),
     "aten.index_put_": _when_bool_index(_HOST_SYNC, _MASK_ASSIGN),
     "aten._index_put_impl_": _when_bool_index(_HOST_SYNC, _MASK_ASSIGN),

@@ -11,6 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from devgraph.breaks import BreakOp, break_op_for
+from devgraph.errors import ReplayError
 from devgraph.platform import DeviceGraph
 
 __all__ = ["BreakCall", "SegmentedPlan", "copy_into"]
@@ -44,7 +45,28 @@ class BreakCall:
 
     def run(self) -> None:
         """Run the op eagerly on its captured inputs and write the result where the next segment reads it."""
-        copy_into(self.outputs, self._call())
+        try:
+            copy_into(self.outputs, self._call())
+        except Exception as exc:
+            name = _op_name(self.op)
+            raise ReplayError(
+                f"break op {name} failed at replay ({type(exc).__name__}: {exc}); a break op must return "
+                "outputs of the shapes it returned at capture (read per-step sizes from device tensors, "
+                "not from the forward context, for anything that shapes an output)"
+            ) from exc
+
+
+def _op_name(op: BreakOp | Callable[..., Any]) -> str:
+    """The break op's registered name, also when ``tc_piecewise`` recorded the FX submodule holding it."""
+    if isinstance(op, BreakOp):
+        return op.name
+    graph = getattr(op, "graph", None)
+    if isinstance(graph, torch.fx.Graph):
+        for node in graph.nodes:
+            found = break_op_for(node.target) if node.op == "call_function" else None
+            if found is not None:
+                return found.name
+    return getattr(op, "__qualname__", None) or repr(op)
 
 
 def _bind_replay(
