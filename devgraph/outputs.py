@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.errors import ConfigError, InputError
+from devgraph.errors import CaptureError, ConfigError, InputError
 from devgraph.keys import TOKENS, GraphKey
 from devgraph.modes import shorten
 
@@ -80,7 +80,7 @@ def _register(kind: type) -> None:
             values = list(values)
             # The fields are restored without calling __init__: a hand-written one may take other arguments,
             # and __post_init__ already ran when the forward built the original.
-            obj = kind.__new__(kind)
+            obj = kind.__new__(kind)  # type: ignore[call-overload]
             for name, value in zip(init_fields, values[: len(init_fields)], strict=True):
                 object.__setattr__(obj, name, value)
             for name, value in zip(other, values[len(init_fields) :], strict=True):
@@ -318,10 +318,12 @@ class OutputLayout:
                 if shape is None or shape[0] != want:
                     got = "no leading dimension" if shape is None else f"{shape[0]} rows"
                     axis = row[0] + (f"+{row[1]}" if row[1] else "")
-                    raise ConfigError(
-                        f"output_axes says output {path} follows {axis}, so it should have {want} rows at "
-                        f"{key}, but it has {got}; fix output_axes (None for outputs whose first dimension "
-                        "is not one row per token or request)"
+                    raise CaptureError(
+                        f"capturing {key} gave output {path or '(the output)'} {got}, but output_axes says "
+                        f"it follows {axis} ({want} rows at this key): fix output_axes (None for outputs "
+                        "whose first dimension is not one row per token or request), or the backend captured "
+                        "another shape than the key's",
+                        size=key.tokens,
                     )
 
     def forget(self, key: GraphKey) -> None:

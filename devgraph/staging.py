@@ -199,6 +199,7 @@ class StaticBuffers:
         self._plan = tuple(
             (name, self.buffers[name], spec.axis, spec.extra_rows, spec.fill) for name, spec in specs.items()
         )
+
     def views(self, key: GraphKey) -> dict[str, torch.Tensor]:
         """Per-input aliases of the rows ``key`` covers, new ones each call (a forward that changes an
         input's metadata in place, ``x.unsqueeze_(0)``, changes only the aliases it was given)."""

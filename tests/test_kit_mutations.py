@@ -310,7 +310,10 @@ MUTANTS = [
     Mutant(
         "m_largest_views",
         CapturesWithLargestViews,
-        {"stale_rows": "re-ran the stale rows", "static_addresses": "returned shape"},
+        {
+            "stale_rows": "output_axes says it follows tokens",
+            "static_addresses": "output_axes says it follows",
+        },
     ),
     Mutant("m_swallows_error", SwallowsCaptureError, {"capture_errors": "swallowed the CaptureError"}),
     Mutant("m_replays_twice", ReplaysTwice, {"step_once": "advanced by 2"}),

@@ -110,7 +110,8 @@ def check_equivalence(found: dict[int, Any], *, exact: bool, modes: tuple[str, .
             assert events[0] == "enter" and events[-1] == "exit" and events.count("enter") == 1, events
             assert not [e for e in events if e.startswith("all-reduce")], events
             # capture_context saw each key (and the output-layout probe may ask again).
-            assert sorted({int(e.split()[1]) for e in events if e.startswith("key")}) == config["key_tokens"]
+            seen = {int(e.split()[1]) for e in events if e.startswith("key")}
+            assert set(config["key_tokens"]) <= seen and len(seen) <= len(config["key_tokens"]) + 1, seen
             if not name.startswith("tc_piecewise"):  # compiled code calls no Python at capture
                 assert config["registered_buffers"] == 2 * 2 * len(config["keys"]), config
             if rank == 1:  # every rank returns the full logits: the same numbers on both
