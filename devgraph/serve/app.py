@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from devgraph.errors import InputError
+from devgraph.modes import shorten
 from devgraph.reference.engine.loop import EngineClosed, EngineLoop
 from devgraph.reference.engine.request import FinishReason, RequestOutput
 from devgraph.serve.metrics import ServeMetrics
@@ -87,6 +88,7 @@ class ServerState:
     max_queued: int
     tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
     draining: bool = False
+    body_timeout: float = 30.0  # seconds a request body may take to arrive (--body-timeout)
     outbox: Outbox | None = None  # made on the event loop by the first request
 
 
@@ -152,13 +154,20 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _read(request: web.Request, state: ServerState) -> CompletionRequest:
     try:
-        raw = await request.read()
+        # A client that stalls mid-body is dropped: it would hold a handler (and the shutdown) forever.
+        raw = await asyncio.wait_for(request.read(), state.body_timeout)
     except web.HTTPRequestEntityTooLarge as exc:
         raise ApiError(413, f"the request body is too large ({exc.text})") from None
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {state.body_timeout:g} s", kind="timeout"
+        ) from None
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
+        raise ApiError(400, f"the request body is not valid JSON: {shorten(str(exc))}") from None
     return parse(body, state.tokenizer, state.model_name)
 
 
@@ -172,6 +181,9 @@ async def _completions(request: web.Request) -> web.StreamResponse:
             raise ApiError(429, f"{state.max_queued} requests are in flight; retry later", kind="overloaded")
     except ApiError as exc:
         return _error(exc)
+    except Exception:  # a body the checks above missed: a bug, but the client still gets JSON
+        logger.exception("checking a completion request failed")
+        return _error(ApiError(500, "the server failed to read this request; see its log"))
     if state.outbox is None:
         state.outbox = Outbox(asyncio.get_running_loop())
     outbox = state.outbox

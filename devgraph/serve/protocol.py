@@ -3,9 +3,10 @@
 Accepted fields of ``POST /v1/completions`` (others are ignored, as OpenAI clients send extras):
 
 ``prompt`` (required): a string (byte-level tokenized) or a list of token ids. ``max_tokens`` (default
-16, >= 1). ``temperature`` (default 1.0; 0 is greedy). ``top_p`` (default 1.0). ``seed`` (int or null).
-``stop`` / ``stop_token_ids``: a token id or a list of them (stop strings are not supported). ``stream``
-(default false). ``model`` (optional; must name the served model). ``n`` (only 1).
+16, >= 1). ``temperature`` (default 1.0; 0 is greedy, else from 1e-4 to 100). ``top_p`` (default 1.0;
+from 1e-4 to 1). ``seed`` (an int >= 0, or null). ``stop`` / ``stop_token_ids``: a token id or a list of
+them, at most 64 in all (stop strings are not supported). ``stream`` (default false). ``model``
+(optional; must name the served model). ``n`` (only 1).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from devgraph.errors import InputError
 from devgraph.modes import shorten
-from devgraph.reference.engine.request import RequestOutput, SamplingParams
+from devgraph.reference.engine.request import MAX_STOP_TOKEN_IDS, RequestOutput, SamplingParams
 from devgraph.serve.tokenizer import ByteTokenizer
 
 __all__ = ["ApiError", "CompletionRequest", "completion_chunk", "completion_response", "error_body", "parse"]
@@ -77,6 +78,14 @@ def _stop(body: dict[str, Any]) -> tuple[int, ...]:
         value = body.get(name)
         if value is None:
             continue
+        count = len(ids) + (len(value) if isinstance(value, list) else 1)
+        if count > MAX_STOP_TOKEN_IDS:  # each one is checked against every sampled token
+            raise ApiError(
+                400,
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids (stop and stop_token_ids together) are "
+                f"accepted, got {count}",
+                param=name,
+            )
         if isinstance(value, str) or (isinstance(value, list) and any(isinstance(v, str) for v in value)):
             raise ApiError(400, f"{name}: stop strings are not supported; give token ids (ints)", param=name)
         ids += [value] if isinstance(value, int) and not isinstance(value, bool) else _token_ids(value, name)
@@ -99,7 +108,12 @@ def parse(body: Any, tokenizer: ByteTokenizer, model_name: str) -> CompletionReq
         raise ApiError(400, "missing field 'prompt' (a string or a list of token ids)", param="prompt")
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        tokens = tokenizer.encode(prompt)
+        try:
+            tokens = tokenizer.encode(prompt)
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800") has no UTF-8 bytes
+            raise ApiError(
+                400, "the prompt is not valid Unicode text (it holds a lone surrogate)", param="prompt"
+            ) from None
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         raise ApiError(400, "one prompt per request: send a string or a list of token ids", param="prompt")
     else:
@@ -120,8 +134,14 @@ def parse(body: Any, tokenizer: ByteTokenizer, model_name: str) -> CompletionReq
             stop_token_ids=_stop(body),
         )
     except InputError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=_field_named(str(exc))) from None
     return CompletionRequest(tokens, params, stream, model_name)
+
+
+def _field_named(message: str) -> str | None:
+    """The request field a :class:`SamplingParams` error is about (its messages start with the name)."""
+    first = message.split(" ", 1)[0]
+    return first if first in ("max_tokens", "temperature", "top_p", "seed") else None
 
 
 def completion_chunk(

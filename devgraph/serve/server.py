@@ -2,7 +2,9 @@
 
 Shutdown (SIGTERM or SIGINT): ``/health`` turns 503 and new completions get 503; requests in flight
 may finish for ``--drain-timeout`` seconds, then the rest are aborted (streams end with
-``finish_reason: "abort"``); the listener closes, graphs are released, and the process exits 0.
+``finish_reason: "abort"``); handlers get :data:`SHUTDOWN_GRACE` more seconds to write their last
+bytes (a client that stopped reading, or one still sending its body, is then cut off); the listener
+closes, graphs are released, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -27,9 +29,15 @@ from devgraph.reference.engine.loop import EngineLoop
 from devgraph.reference.model import ReferenceModel
 from devgraph.serve.metrics import ServeMetrics, prometheus_available
 
-__all__ = ["build_engine", "serve", "device_defaults"]
+__all__ = ["build_engine", "check_kv_memory", "device_defaults", "listen_url", "serve"]
 
 logger = logging.getLogger("devgraph.serve")
+
+#: Seconds handlers may still run once the drain is over (aiohttp's shutdown timeout).
+SHUTDOWN_GRACE = 1.0
+#: The KV cache may take at most this share of the device's free memory (weights and steps need the rest).
+KV_MEMORY_SHARE = 0.9
+GiB = float(1 << 30)
 
 
 def device_defaults(device: torch.device) -> dict[str, Any]:
@@ -56,6 +64,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
         if value is not None:
             overrides[name] = value
     model_config = ReferenceConfig.preset(args.preset or defaults["preset"], **overrides)
+    check_kv_memory(model_config, _free_bytes(device), device)
+    _warn_small_cache(model_config)
     engine_config = EngineConfig(
         max_running_requests=running,
         token_budget=budget,
@@ -66,6 +76,58 @@ def build_engine(args: argparse.Namespace) -> Engine:
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
     return Engine(model, engine_config, device_graph_mode=graphs, progress=args.progress)
+
+
+def kv_cache_bytes(config: ReferenceConfig) -> int:
+    """Bytes of the paged K and V caches of every layer."""
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    per_block = config.block_size * config.num_kv_heads * config.head_dim * itemsize
+    return 2 * config.num_layers * config.total_blocks * per_block
+
+
+def check_kv_memory(config: ReferenceConfig, free_bytes: int | None, device: Any = "the device") -> None:
+    """:class:`ConfigError` (one line: the size and the flags that lower it) when the KV cache would take
+    more than :data:`KV_MEMORY_SHARE` of ``free_bytes``; nothing when the free memory is unknown."""
+    if free_bytes is None:
+        return
+    needed = kv_cache_bytes(config)
+    if needed <= KV_MEMORY_SHARE * free_bytes:
+        return
+    raise ConfigError(
+        f"the KV cache needs {needed / GiB:.1f} GiB ({config.total_blocks} blocks of {config.block_size} "
+        f"positions, {config.num_layers} layers, K and V) but {device} has {free_bytes / GiB:.1f} GiB free: "
+        "lower --max-seq-len, --num-blocks (default: enough for --max-running-requests requests of "
+        "--max-seq-len tokens) or --max-running-requests"
+    )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    try:
+        if device.type == "cuda" and device.index is not None:  # that GPU, not the current one
+            return int(torch.cuda.mem_get_info(device)[0])
+        return int(resolve_platform(device).mem_get_info()[0])
+    except Exception:  # unknown: the allocation itself will say
+        return None
+
+
+def _warn_small_cache(config: ReferenceConfig) -> None:
+    usable = config.total_blocks - 1  # block 0 is scratch
+    full = config.max_blocks_per_request
+    if usable < full:
+        logger.warning(
+            "the KV cache holds %d tokens (%d usable blocks of %d), less than one request of the full "
+            "context (%d tokens): longer requests get 400; --num-blocks %d or more holds one",
+            usable * config.block_size,
+            usable,
+            config.block_size,
+            config.max_seq_len,
+            full + 1,
+        )
+
+
+def listen_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``http://[::1]:8000``)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -100,8 +162,10 @@ async def _run(
 
     from devgraph.serve.app import ServerState, build_app
 
-    state = ServerState(engine, model_name, metrics, args.max_queued_requests)
-    options: dict[str, Any] = {"access_log": None}
+    state = ServerState(engine, model_name, metrics, args.max_queued_requests, body_timeout=args.body_timeout)
+    # The drain is the engine's (in-flight requests finish or abort); after it, handlers get a short grace
+    # instead of aiohttp's 60 s, so a client that stalls mid-body or stops reading cannot hold the exit.
+    options: dict[str, Any] = {"access_log": None, "shutdown_timeout": SHUTDOWN_GRACE}
     if _aiohttp_version() >= (3, 9):
         options["handler_cancellation"] = True  # a client that goes away cancels its handler
     runner = web.AppRunner(build_app(state), **options)
@@ -125,7 +189,7 @@ async def _run(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    print(f"devgraph serve: model {model_name!r} listening on http://{args.host}:{port}", flush=True)
+    print(f"devgraph serve: model {model_name!r} listening on {listen_url(args.host, port)}", flush=True)
     await stop.wait()
     print("devgraph serve: shutting down", file=sys.stderr, flush=True)
     state.draining = True

@@ -9,6 +9,7 @@ from one thread (:class:`~devgraph.reference.engine.loop.EngineLoop` runs it in 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -18,11 +19,12 @@ import torch
 
 from devgraph.capture import CaptureReport
 from devgraph.config import DeviceGraphConfig
-from devgraph.errors import InputError
+from devgraph.errors import ConfigError, InputError
 from devgraph.modes import shorten
 from devgraph.reference.engine.allocator import BlockAllocator, BlockTables
 from devgraph.reference.engine.batch import StepBatch, decode_batch, prefill_batch
 from devgraph.reference.engine.config import EngineConfig
+from devgraph.reference.engine.limits import cap_phase_sizes
 from devgraph.reference.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status
 from devgraph.reference.engine.sampler import Sampler
 from devgraph.reference.engine.scheduler import Scheduler
@@ -31,6 +33,11 @@ from devgraph.reference.runners import decode_runner, prefill_runner
 from devgraph.runner import GraphRunner
 
 __all__ = ["Engine"]
+
+logger = logging.getLogger("devgraph.serve.engine")
+
+#: The start-up warm-up's longer prompt (tokens), cut to the context.
+WARMUP_PROMPT = 100
 
 
 class Engine:
@@ -68,6 +75,9 @@ class Engine:
             if isinstance(device_graph_mode, DeviceGraphConfig)
             else DeviceGraphConfig.parse(device_graph_mode or "auto")
         )
+        # The flag's sizes win over the engine's: cut them to what a step can hold.
+        graphs = cap_phase_sizes(graphs, "decode", running, "max_running_requests")
+        graphs = cap_phase_sizes(graphs, "prefill", budget, "token_budget")
         # Deterministic mode pins one shape per phase; otherwise a ladder of sizes up to the limits.
         pinned = self.config.deterministic
         decode_sizes: dict[str, Any] = {"sizes": [running]} if pinned else {"max_size": running}
@@ -95,8 +105,17 @@ class Engine:
     def warm_up(self) -> None:
         """Serve two throw-away requests (a 1-token and a longer prompt) so that first-use costs (lazy
         initialisation, kernel compilation in eager mode) do not land on the first real request; then
-        zero every counter."""
-        longest = min(100, self.model_config.max_seq_len - 2)
+        zero every counter. :class:`ConfigError` when the KV cache cannot hold the longer one."""
+        longest = max(1, min(WARMUP_PROMPT, self.model_config.max_seq_len - 2))
+        needed = self.scheduler.blocks_for(longest + 2)
+        if needed > self.allocator.capacity:
+            block = self.model_config.block_size
+            raise ConfigError(
+                f"the KV cache is too small for the start-up warm-up: {self.allocator.capacity} usable "
+                f"block(s) of {block} positions hold {self.allocator.capacity * block} tokens, the warm-up "
+                f"request needs {longest + 2} ({needed} blocks); raise num_blocks (--num-blocks) to at "
+                f"least {needed + 1} (block 0 is scratch)"
+            )
         self.generate([[0], [1] * longest], SamplingParams(max_tokens=2))
         self.step_counts.clear()
         self.finished_count.clear()
@@ -135,7 +154,7 @@ class Engine:
         if needed > self.allocator.capacity:
             raise InputError(
                 f"the request needs {needed} KV blocks but the cache has {self.allocator.capacity}; "
-                "lower max_tokens or give the server more KV blocks"
+                "lower max_tokens, or give the server more KV blocks (--num-blocks)"
             )
         return tokens
 
@@ -190,6 +209,13 @@ class Engine:
             try:
                 outputs += self._run(kind, entries)
             except Exception as exc:  # a failed forward fails its requests, not the engine
+                logger.warning(
+                    "a %s step failed; its %d request(s) finish with finish_reason 'error': %r",
+                    kind,
+                    len(entries),
+                    exc,
+                    exc_info=logger.isEnabledFor(logging.DEBUG),
+                )
                 for request, *_ in entries:
                     if request.status is not Status.FINISHED:
                         outputs.append(self._finish(request, FinishReason.ERROR, [], error=repr(exc)))
@@ -244,7 +270,7 @@ class Engine:
         elif request.last_token_time is not None:
             itl = now - request.last_token_time
         request.last_token_time = now
-        if token in params.stop_token_ids:
+        if token in request.stop_ids:
             return self._finish(request, FinishReason.STOP, [], ttft=ttft)
         request.output.append(token)
         if len(request.output) >= params.max_tokens or request.num_tokens >= self.model_config.max_seq_len:

@@ -119,6 +119,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(tokens, params, request_id)
             except Exception as exc:  # checked at submit; a failure here is a bug, reported per request
+                logger.warning("adding request %s failed: %r", request_id, exc)
                 self._deliver(RequestOutput(request_id, [], True, FinishReason.ERROR, error=repr(exc)))
         for request_id in aborts:
             self._deliver(self.engine.abort(request_id))

@@ -11,7 +11,23 @@ from dataclasses import dataclass, field
 from devgraph.errors import InputError
 from devgraph.modes import shorten
 
-__all__ = ["FinishReason", "Request", "RequestOutput", "SamplingParams", "Status"]
+__all__ = [
+    "MAX_STOP_TOKEN_IDS",
+    "MIN_TEMPERATURE",
+    "MIN_TOP_P",
+    "FinishReason",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "Status",
+]
+
+#: The smallest non-zero temperature: logits divided by less overflow float32 (and sample like greedy).
+MIN_TEMPERATURE = 1e-4
+#: The smallest top_p: below it float32 rounds the kept mass to nothing (and it keeps one token anyway).
+MIN_TOP_P = 1e-4
+#: Stop token ids per request: every sampled token is checked against them.
+MAX_STOP_TOKEN_IDS = 64
 
 
 class FinishReason(str, enum.Enum):
@@ -36,6 +52,9 @@ class Status(enum.Enum):
 class SamplingParams:
     """How to pick tokens: greedy when ``temperature == 0``, else seeded temperature + top-p sampling.
 
+    ``temperature`` is 0 or from :data:`MIN_TEMPERATURE` to 100; ``top_p`` from :data:`MIN_TOP_P` to 1;
+    ``seed`` a non-negative int (or ``None``); at most :data:`MAX_STOP_TOKEN_IDS` stop token ids.
+
     The same ``seed``, prompt and parameters give the same tokens whenever the model's logits are the
     same (always in the engine's ``deterministic`` mode; see :class:`~devgraph.reference.engine.Engine`).
     ``seed=None`` draws a fresh seed per request.
@@ -50,12 +69,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InputError(f"max_tokens must be an int >= 1, got {shorten(self.max_tokens)}")
-        if not _real(self.temperature) or not 0 <= self.temperature <= 100:
-            raise InputError(f"temperature must be a number in [0, 100], got {shorten(self.temperature)}")
-        if not _real(self.top_p) or not 0 < self.top_p <= 1:
-            raise InputError(f"top_p must be a number in (0, 1], got {shorten(self.top_p)}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InputError(f"seed must be an int, got {shorten(self.seed)}")
+        if not _real(self.temperature) or not (
+            self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 100
+        ):
+            raise InputError(
+                f"temperature must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} to 100, "
+                f"got {shorten(self.temperature)}"
+            )
+        if not _real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+            raise InputError(f"top_p must be a number from {MIN_TOP_P:g} to 1, got {shorten(self.top_p)}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
+            # random.Random(seed) uses abs(seed): a negative seed would alias a positive one.
+            raise InputError(f"seed must be an int >= 0 (or null), got {shorten(self.seed)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InputError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids are accepted, got {len(self.stop_token_ids)}"
+            )
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise InputError(f"stop token ids must be ints, got {shorten(self.stop_token_ids)}")
 
@@ -89,8 +120,10 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     rng: random.Random | None = None
+    stop_ids: frozenset[int] = frozenset()  # the params' stop token ids, checked once per sampled token
 
     def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
         if not self.params.greedy:
             seed = self.params.seed if self.params.seed is not None else random.SystemRandom().getrandbits(64)
             self.rng = random.Random(seed)

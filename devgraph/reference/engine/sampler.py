@@ -6,6 +6,10 @@ the top-p set on the device: tokens sorted by probability (a stable sort, so tie
 smallest prefix whose mass reaches ``top_p`` kept, and the first token whose cumulative mass exceeds
 ``u * kept_mass`` chosen. Nothing depends on other rows of the batch or on a global generator, so the
 same seed and the same logits give the same token whatever else runs in the step.
+
+A row whose distribution cannot be sampled (logits that are not finite, or a temperature so small that
+the scaled logits overflow) falls back to greedy for that row alone: one request's numbers never fail
+the other requests of its step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Sampler:
             device=device,
         )
         picked = _top_p_sample(logits.index_select(0, rows).float(), temperature, top_p, uniform)
+        picked = torch.where(picked >= 0, picked, greedy.index_select(0, rows))
         tokens = greedy.index_copy(0, rows, picked)
         return [int(t) for t in tokens.tolist()]
 
@@ -46,14 +51,20 @@ class Sampler:
 def _top_p_sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
 ) -> torch.Tensor:
+    """One token per row, or -1 where the row's distribution is not finite (the caller's greedy then)."""
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    usable = torch.isfinite(probs).all(dim=-1)
+    probs = torch.where(usable[:, None], probs, torch.zeros_like(probs))
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above each one
-    kept = before < top_p[:, None]  # the first token is always kept (before = 0)
+    kept = before < top_p[:, None]
+    kept[:, 0] = True  # the most likely token always stays, even where top_p rounds to 0 in float32
     kept_probs = sorted_probs * kept
     cumulative = kept_probs.cumsum(dim=-1)
+    usable &= cumulative[:, -1] > 0
     target = (uniform * cumulative[:, -1])[:, None]
     index = torch.searchsorted(cumulative, target, right=True)
     last_kept = kept.sum(dim=-1, keepdim=True) - 1
-    index = torch.minimum(index, last_kept)
-    return order.gather(-1, index).squeeze(-1)
+    index = torch.minimum(index, last_kept).clamp_(min=0)
+    picked = order.gather(-1, index).squeeze(-1)
+    return torch.where(usable, picked, torch.full_like(picked, -1))
