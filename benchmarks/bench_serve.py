@@ -36,7 +36,7 @@ from devgraph.serve.report import plot_modes, summary_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
-GPU = {
+GPU: dict[str, Any] = {
     "server": [
         "--preset", "qwen3-0.6b", "--dtype", "bf16", "--device", "cuda",
         "--max-running-requests", "32", "--token-budget", "2048",
@@ -48,7 +48,7 @@ GPU = {
     "warmup": 12,
     "start_timeout": 600.0,
 }  # fmt: skip
-SMOKE = {
+SMOKE: dict[str, Any] = {
     "server": ["--preset", "tiny", "--device", "cpu", "--cpu-threads", "1", "--max-running-requests", "8"],
     "scenarios": {"c1": (1, 3, 1), "c8": (8, 10, 0)},
     "deterministic_scenarios": ("c1", "c8"),
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "serve" if args.gpu else "serve-smoke"
     result: dict[str, Any] = {"meta": _meta([sys.argv[0], *sys.argv[1:]]), "settings": settings, "groups": {}}
     start = time.perf_counter()
-    groups = {"default": ([], tuple(settings["scenarios"]))}
+    groups: dict[str, tuple[list[str], tuple[str, ...]]] = {"default": ([], tuple(settings["scenarios"]))}
     if not args.no_deterministic:
         groups["deterministic"] = (["--deterministic"], tuple(settings["deterministic_scenarios"]))
     for group, (extra, scenarios) in groups.items():

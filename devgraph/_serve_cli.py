@@ -19,6 +19,8 @@ from devgraph.reference.config import ATTENTION_MODES, PRESET_NAMES
 __all__ = ["add_bench_serve_parser", "add_serve_parser", "run_bench_serve", "run_serve", "serve_main"]
 
 _DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+#: The slowest Poisson arrival rate ``bench serve`` accepts (requests per second).
+MIN_REQUEST_RATE = 0.01
 
 
 def _int_in(low: int, high: int) -> Any:
@@ -42,6 +44,47 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{shorten(text)} must be a finite number > 0")
     return value
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{shorten(text)} must be a finite number of seconds >= 0")
+    return value
+
+
+def _request_rate(text: str) -> float:
+    value = _positive_float(text)
+    if value < MIN_REQUEST_RATE:
+        raise argparse.ArgumentTypeError(
+            f"{shorten(text)} requests/s is below the minimum of {MIN_REQUEST_RATE:g} (one request every "
+            f"{1 / MIN_REQUEST_RATE:g} s on average); use --concurrency 1 for a slow trickle"
+        )
+    return value
+
+
+def _url(text: str) -> str:
+    """A server's base URL: ``http(s)://host[:port]``, no path beyond ``/``."""
+    from urllib.parse import urlsplit
+
+    hint = "give the server's base URL, such as http://127.0.0.1:8000"
+    try:
+        parts = urlsplit(text.strip())
+        port = parts.port  # a bad port raises ValueError here
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not a URL ({exc}); {hint}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise argparse.ArgumentTypeError(f"{shorten(text)} is not an http:// or https:// URL; {hint}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise argparse.ArgumentTypeError(
+            f"{shorten(text)} has a path or query; {hint} (the routes, /v1/completions and /v1/models, "
+            "are added to it)"
+        )
+    return text.strip().rstrip("/")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -124,9 +167,15 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_seconds,
         default=30.0,
-        help="seconds in-flight requests may finish after SIGTERM",
+        help="seconds in-flight requests may finish after SIGTERM (default 30)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a request body may take to arrive; a slower client gets 408 (default 30)",
     )
     parser.add_argument(
         "--cpu-threads", type=_int_in(1, 1024), default=None, help="torch CPU threads (default: torch's)"
@@ -150,14 +199,19 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument(
+        "--url", type=_url, default="http://127.0.0.1:8000", help="the server's base URL (http://host:port)"
+    )
     parser.add_argument("--num-requests", type=_int_in(1, 1 << 20), default=64)
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--concurrency", type=_int_in(1, 1 << 16), default=None, help="requests in flight (default 8)"
     )
     group.add_argument(
-        "--request-rate", type=_positive_float, default=None, help="Poisson arrivals per second"
+        "--request-rate",
+        type=_request_rate,
+        default=None,
+        help=f"Poisson arrivals per second (at least {MIN_REQUEST_RATE:g})",
     )
     parser.add_argument(
         "--prompt-len", type=_range, default=(32, 256), metavar="A:B", help="uniform prompt lengths"

@@ -3,6 +3,7 @@ graphs vs eager. CPU, tiny preset, real runners (the CPU simulated graph under `
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Iterator
@@ -55,9 +56,9 @@ def _prompts(count: int, seed: int, low: int = 3, high: int = 70) -> list[list[i
     return [[rng.randrange(512) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def _engine(model: ReferenceModel, mode: str = "disabled", **config: object) -> Engine:
+def _engine(model: ReferenceModel, mode: str = "disabled", capture: bool = True, **config: object) -> Engine:
     settings: dict[str, object] = {"max_running_requests": 4, "token_budget": 32, **config}
-    return Engine(model, EngineConfig(**settings), device_graph_mode=mode, progress=False)  # type: ignore[arg-type]
+    return Engine(model, EngineConfig(**settings), device_graph_mode=mode, progress=False, capture=capture)  # type: ignore[arg-type]
 
 
 # -- allocator and tables ------------------------------------------------------------------------------
@@ -158,6 +159,30 @@ def test_a_request_larger_than_the_cache_or_context_is_refused(small_cache_model
     engine.close()
 
 
+def test_warm_up_on_a_cache_too_small_for_it_names_the_flag_to_raise() -> None:
+    tiny_cache = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4, num_blocks=4), seed=0)
+    engine = _engine(tiny_cache)
+    with pytest.raises(
+        ConfigError, match=r"too small for the start-up warm-up.*--num-blocks\) to at least 8"
+    ):
+        engine.warm_up()
+    engine.close()
+
+
+def test_flag_sizes_past_the_engine_limits_are_capped_with_a_warning(
+    model: ReferenceModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    flag = '{"decode": {"max_size": 4096}, "prefill": {"sizes": [16, 64, 4096]}}'
+    with caplog.at_level(logging.WARNING, logger="devgraph.serve.engine"):
+        engine = _engine(model, flag, capture=False)
+    assert engine.decode_runner.sizes[-1] == 4  # max_running_requests
+    assert engine.prefill_runner.sizes == (16, 32)  # token_budget
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("decode graphs are capped at 4" in w and "4096" in w for w in warnings)
+    assert any("prefill graphs are capped at 32" in w for w in warnings)
+    engine.close()
+
+
 def test_stop_token_and_abort_free_blocks(model: ReferenceModel) -> None:
     engine = _engine(model)
     prompt = [5, 6, 7, 8]
@@ -231,7 +256,7 @@ def test_sampler_is_greedy_at_temperature_zero_and_seeded_otherwise() -> None:
     other = _request(SamplingParams(temperature=1.0, seed=8))
     assert [sampler.sample(logits[:1], [other])[0] for _ in range(20)] != draws[0]
     # A tiny top_p keeps only the most likely token.
-    narrow = _request(SamplingParams(temperature=1.0, top_p=1e-6, seed=1))
+    narrow = _request(SamplingParams(temperature=1.0, top_p=1e-4, seed=1))
     assert {sampler.sample(logits[1:2], [narrow])[0] for _ in range(10)} == {greedy[1]}
 
 
@@ -241,6 +266,44 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
     request = _request(SamplingParams(temperature=1.0, top_p=0.7, seed=3))
     seen = {sampler.sample(probs.log(), [request])[0] for _ in range(200)}
     assert seen == {1, 3}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 0 are cut
+
+
+def _forced(**fields: object) -> Request:
+    """A sampling request whose parameters skip validation (what the sampler must survive anyway)."""
+    params = SamplingParams(temperature=1.0, seed=1)
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return _request(params)
+
+
+def test_a_row_that_cannot_be_sampled_falls_back_to_greedy_alone() -> None:
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    logits[4, 3] = float("nan")
+    greedy = logits.argmax(-1).tolist()
+    requests = [
+        _request(SamplingParams()),
+        _forced(temperature=1e-40),  # logits / 1e-40 overflow: softmax is NaN
+        _forced(top_p=1e-50),  # 0.0 in float32: nothing would be kept
+        _request(SamplingParams(temperature=1.0, seed=3)),
+        _forced(),  # NaN logits
+    ]
+    alone = Sampler().sample(logits[3:4], [_request(SamplingParams(temperature=1.0, seed=3))])[0]
+    tokens = Sampler().sample(logits, requests)
+    assert tokens[:3] == greedy[:3] and tokens[4] == greedy[4]
+    assert tokens[3] == alone  # the healthy sampled row is untouched by its neighbours
+
+
+def test_sampling_parameters_that_float32_cannot_honour_are_refused() -> None:
+    for fields, needle in (
+        ({"temperature": 1e-40}, "temperature must be 0 \\(greedy\\) or a number from 0.0001"),
+        ({"top_p": 1e-50}, "top_p must be a number from 0.0001"),
+        ({"seed": -1}, "seed must be an int >= 0"),
+        ({"stop_token_ids": tuple(range(65))}, "at most 64 stop token ids"),
+    ):
+        with pytest.raises(InputError, match=needle):
+            SamplingParams(**fields)  # type: ignore[arg-type]
+    request = _request(SamplingParams(stop_token_ids=(5, 6, 5)))
+    assert request.stop_ids == frozenset({5, 6})
 
 
 def test_identical_seeds_give_identical_text_across_batches(model: ReferenceModel) -> None:
@@ -279,7 +342,9 @@ def test_engine_loop_serves_other_threads_and_aborts_on_shutdown(model: Referenc
     engine.close()
 
 
-def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(model: ReferenceModel) -> None:
+def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(
+    model: ReferenceModel, caplog: pytest.LogCaptureFixture
+) -> None:
     engine = _engine(model, mixed_steps=False)
     decoding = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
     engine.step()  # prefill: `decoding` now decodes
@@ -290,7 +355,12 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(model: Refe
         raise RuntimeError("device fell over")
 
     engine.prefill_runner.run = broken  # type: ignore[method-assign]
-    outputs = {o.request_id: o for o in engine.step()}
+    with caplog.at_level(logging.WARNING, logger="devgraph.serve.engine"):
+        outputs = {o.request_id: o for o in engine.step()}
+    assert any(
+        "prefill step failed" in r.getMessage() and "device fell over" in r.getMessage()
+        for r in caplog.records
+    )
     assert outputs[fresh.request_id].finish_reason is FinishReason.ERROR
     assert "device fell over" in (outputs[fresh.request_id].error or "")
     assert outputs[decoding.request_id].token_ids and not outputs[decoding.request_id].finished

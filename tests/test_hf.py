@@ -4,6 +4,7 @@ downloads, float32), decode steps replayed from CPU-simulated graphs, checked ag
 from __future__ import annotations
 
 import importlib
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -363,13 +364,36 @@ def test_bad_decoder_arguments_are_config_errors() -> None:
         ({"max_cache_len": 0}, "max_cache_len"),
         ({"max_cache_len": 16, "max_batch": 2, "sizes": (1, 4)}, "max_batch"),
         ({"max_cache_len": 16, "fast": "yes"}, "fast"),
-        ({"max_cache_len": 64, "fast": FastPath(windows=(1,))}, "window"),
         ({"max_cache_len": 16, "fast": FastPath(windows=(99,))}, "windows"),
+        # No FastPath: the message is about the cache, not about windows.
+        ({"max_cache_len": 2}, "max_cache_len 2 is too short for 2 warm-up steps"),
+        (
+            {"max_cache_len": 64, "fast": FastPath(windows=(16,)), "warmup_iters": 16},
+            "FastPath window 16 is too short for 16 warm-up steps.*longer than 16",
+        ),
     ):
         with pytest.raises(ConfigError, match=match):
             DevgraphDecoder(model, capture=False, **kwargs)
     with pytest.raises(ConfigError, match="compiler"):
         FastPath(compiler="tvm")
+    for windows in ((3,), (1, 64), ()):
+        with pytest.raises(ConfigError, match="FastPath windows must be"):
+            FastPath(windows=windows)
+
+
+@needs_hf
+def test_a_flag_max_size_past_max_batch_is_capped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from devgraph.integrations.transformers import DevgraphDecoder
+
+    flag = '{"decode": {"max_size": 64, "sizes": [1, 64]}}'
+    with (
+        caplog.at_level(logging.WARNING, logger="devgraph.integrations.transformers"),
+        DevgraphDecoder(
+            tiny_model("llama"), max_cache_len=16, max_batch=2, config=flag, capture=False
+        ) as dec,
+    ):
+        assert dec.runner.sizes == (1, 2)
+    assert any("capped at max_batch=2" in r.getMessage() for r in caplog.records)
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import http.client
 import json
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -112,7 +113,9 @@ class Server:
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     """Deterministic mode with graphs: each request's tokens are what the eager engine gives it alone."""
-    srv = Server("--device-graph-mode", "auto", "--deterministic", "--token-budget", "32")
+    srv = Server(
+        "--device-graph-mode", "auto", "--deterministic", "--token-budget", "32", "--body-timeout", "2"
+    )
     yield srv
     assert srv.stop() == 0, "".join(srv.stderr)[-2000:]
 
@@ -213,6 +216,14 @@ def test_text_prompt_and_non_streaming_response(server: Server) -> None:
         ({"prompt": [1], "stream": "yes"}, 400, "stream"),
         ({"prompt": [1], "n": 2}, 400, "n must be 1"),
         (b'{"prompt": "' + b"a" * (1 << 21) + b'"}', 413, "too large"),
+        ({"prompt": [1], "temperature": 1e-40}, 400, "0 (greedy) or a number from 0.0001 to 100"),
+        ({"prompt": [1], "top_p": 1e-50}, 400, "top_p must be a number from 0.0001 to 1"),
+        ({"prompt": [1], "seed": -3}, 400, "seed must be an int >= 0"),
+        ({"prompt": [1], "stop": [7] * 100_000}, 400, "at most 64 stop token ids"),
+        ({"prompt": [1], "stop": [7] * 40, "stop_token_ids": [8] * 40}, 400, "at most 64 stop token ids"),
+        (b'{"prompt": "\\ud800"}', 400, "not valid Unicode"),
+        (b'{"prompt": [1' + b"1" * 5000 + b"]}", 400, "not valid JSON"),
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),
     ],
 )
 def test_bad_input_gets_a_4xx_json_error_and_the_server_keeps_serving(
@@ -222,6 +233,18 @@ def test_bad_input_gets_a_4xx_json_error_and_the_server_keeps_serving(
     assert got == status, body
     assert needle in body["error"]["message"]
     assert body["error"]["code"] == status
+    assert server.request("GET", "/health") == (200, {"status": "ok"})
+
+
+def test_a_client_that_stalls_mid_body_gets_408_after_the_body_timeout(server: Server) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=15) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        reply = sock.recv(4096)
+        waited = time.monotonic() - start
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"did not arrive within 2 s" in reply
+    assert 1.5 < waited < 12
     assert server.request("GET", "/health") == (200, {"status": "ok"})
 
 
@@ -303,6 +326,10 @@ def test_a_thousand_requests_leave_the_allocator_full(mixed_server: Server) -> N
 
 def test_sigterm_drains_in_flight_streams_and_exits_zero(mixed_server: Server) -> None:
     result: dict[str, Any] = {}
+    # A slowloris client (headers and part of a body, then nothing) must not hold the exit past the drain.
+    stalled = socket.create_connection(("127.0.0.1", mixed_server.port), timeout=30)
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    signalled: list[float] = []
 
     async def stream_then_signal() -> None:
         async with aiohttp.ClientSession() as session:
@@ -319,10 +346,17 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(mixed_server: Server) -
                         reason = choice["finish_reason"] or reason
                         if tokens == 1:
                             mixed_server.proc.send_signal(signal.SIGTERM)
+                            signalled.append(time.monotonic())
                 result.update(tokens=tokens, reason=reason, done=done)
 
     asyncio.run(stream_then_signal())
-    assert mixed_server.proc.wait(timeout=60) == 0, "".join(mixed_server.stderr)[-2000:]
+    drained = time.monotonic()
+    try:
+        assert mixed_server.proc.wait(timeout=60) == 0, "".join(mixed_server.stderr)[-2000:]
+    finally:
+        stalled.close()
+    # The stream finished well inside --drain-timeout 30; the stalled body gets a grace second, not 60.
+    assert time.monotonic() - drained < 10, time.monotonic() - signalled[0]
     assert result == {"tokens": 200, "reason": "length", "done": True}  # drained, not cut
     assert "shutting down" in "".join(mixed_server.stderr)
 
@@ -339,7 +373,84 @@ def test_load_generator_reports_percentiles_over_http(server: Server) -> None:
     assert [len(r["token_ids"]) for r in run["results"]] == [t.max_tokens for t in trace]
 
 
+def test_load_generator_counts_failures_by_kind_and_shows_the_first(server: Server) -> None:
+    from devgraph.serve.loadgen import TraceRequest, run_load
+    from devgraph.serve.report import summary_table
+
+    trace = [TraceRequest(0, [1, 2], 2), TraceRequest(1, [1, 9999], 2), TraceRequest(2, [3], 2)]
+    summary = asyncio.run(run_load(server.url, trace, concurrency=2, progress=False))["summary"]
+    assert summary["failed"] == 1 and summary["errors"] == {"HTTP 400": 1}
+    assert "token ids must be ints in [0, 512)" in summary["first_errors"][0]
+    table = summary_table(summary)
+    assert "failed 1 (HTTP 400: 1)" in table and "9999" in table
+
+
+def test_bench_serve_cuts_lengths_to_the_context_and_survives_a_closed_stdout(
+    server: Server, tmp_path: Path
+) -> None:
+    out = tmp_path / "run.json"
+    command = [
+        *(sys.executable, "-m", "devgraph.serve", "bench", "--url", server.url, "--num-requests", "2"),
+        *("--concurrency", "1", "--prompt-len", "236:250", "--output-len", "20", "--no-progress"),
+        *("--json", str(out)),
+    ]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `| head`: the reader is gone before the summary is printed
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+    assert "context of 256: longer requests are cut to fit" in stderr
+    record = json.loads(out.read_text())
+    assert record["sent"]["prompt_len"] == {"min": 236, "max": 236, "mean": 236.0}  # 256 - 20
+    assert record["sent"]["output_len"] == {"min": 20, "max": 20, "mean": 20.0}
+    assert record["sent"]["cut"] and record["summary"]["failed"] == 0
+
+
 # -- in-process pieces ----------------------------------------------------------------------------------
+def test_bench_serve_checks_lengths_and_the_json_path_before_the_run(tmp_path: Path) -> None:
+    import argparse
+
+    from devgraph._serve_cli import add_bench_serve_parser
+    from devgraph.errors import ConfigError
+    from devgraph.serve.loadgen import check_lengths, make_trace, run_from_args, trace_lengths
+
+    with pytest.raises(ConfigError, match="cannot fit the server's context of 256 tokens"):
+        check_lengths((200, 300), (60, 80), 256)
+    assert "cut to fit" in (check_lengths((1, 250), (1, 20), 256) or "")
+    assert check_lengths((1, 200), (1, 56), 256) is None
+    lengths = trace_lengths(make_trace(4, (250, 250), (30, 30), vocab=512, max_seq_len=256, seed=0))
+    assert lengths["prompt_len"] == {"min": 226, "max": 226, "mean": 226.0}
+    parser = add_bench_serve_parser(argparse.ArgumentParser().add_subparsers())
+    args = parser.parse_args(["--url", "http://127.0.0.1:9", "--json", str(tmp_path / "no" / "run.json")])
+    with pytest.raises(ConfigError, match="--json .* cannot be written"):
+        run_from_args(args)  # refused before it tries the (absent) server
+
+
+def test_a_kv_cache_too_large_for_memory_or_too_small_for_the_warm_up_is_refused_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+
+    from devgraph._serve_cli import add_serve_parser
+    from devgraph.errors import ConfigError
+    from devgraph.serve import server as server_module
+
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    args = parser.parse_args(["--device", "cpu", "--num-blocks", str(1 << 24)])
+    monkeypatch.setattr(server_module, "_free_bytes", lambda device: 1 << 30)
+    with pytest.raises(
+        ConfigError, match=r"needs 128.0 GiB .* 1.0 GiB free: lower --max-seq-len, --num-blocks"
+    ):
+        server_module.build_engine(args)
+    # A cache too small for the start-up warm-up is refused before the model is built or captured.
+    args = parser.parse_args(["--device", "cpu", "--num-blocks", "4"])
+    with pytest.raises(
+        ConfigError, match="too small for the start-up warm-up.*--num-blocks\\) to at least 8"
+    ):
+        server_module.build_engine(args)
+
+
 def test_byte_tokenizer_round_trip_and_streaming_split_characters() -> None:
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode("hé€")
@@ -400,6 +511,28 @@ def test_serve_cli_parsers() -> None:
     assert isinstance(args.device_graph_mode, DeviceGraphConfig) and args.port == 0 and args.deterministic
     args = parser.parse_args(["bench", "serve", "--request-rate", "2.5", "--prompt-len", "8:16"])
     assert args.request_rate == 2.5 and args.prompt_len == (8, 16) and args.concurrency is None
-    for bad in (["serve", "--port", "70000"], ["serve", "--device-graph-mode", "sideways"]):
+    from devgraph.serve.server import listen_url
+
+    assert (
+        listen_url("::1", 8000) == "http://[::1]:8000"
+        and listen_url("127.0.0.1", 80) == "http://127.0.0.1:80"
+    )
+    args = parser.parse_args(["serve", "--drain-timeout", "0"])
+    assert args.drain_timeout == 0.0 and args.body_timeout == 30.0
+    args = parser.parse_args(["bench", "serve", "--url", "http://127.0.0.1:8000/"])
+    assert args.url == "http://127.0.0.1:8000"
+    for bad in (
+        ["serve", "--port", "70000"],
+        ["serve", "--device-graph-mode", "sideways"],
+        ["serve", "--drain-timeout", "nan"],
+        ["serve", "--drain-timeout", "-1"],
+        ["serve", "--drain-timeout", "inf"],
+        ["serve", "--body-timeout", "0"],
+        ["bench", "serve", "--url", "ftp://127.0.0.1:8000"],
+        ["bench", "serve", "--url", "http://127.0.0.1:8000/v1/completions"],
+        ["bench", "serve", "--url", "127.0.0.1:8000"],
+        ["bench", "serve", "--url", "http://127.0.0.1:99999"],
+        ["bench", "serve", "--request-rate", "1e-9"],
+    ):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

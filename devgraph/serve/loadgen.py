@@ -21,9 +21,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from devgraph.modes import shorten
 from devgraph.serve.report import summarize, summary_table
 
-__all__ = ["TraceRequest", "fetch_model", "make_trace", "run_from_args", "run_load"]
+__all__ = [
+    "TraceRequest",
+    "check_lengths",
+    "fetch_model",
+    "make_trace",
+    "run_from_args",
+    "run_load",
+    "trace_lengths",
+]
 
 
 @dataclass(frozen=True)
@@ -40,12 +49,48 @@ class RequestResult:
     max_tokens: int
     ok: bool = False
     error: str | None = None
+    error_kind: str | None = None  # "HTTP 400", "stream error", "ClientConnectorError", ...: counted per kind
     sent_at: float = 0.0  # seconds since the run started
     ttft: float | None = None  # seconds
     token_times: list[float] = field(default_factory=list)  # seconds since this request was sent
     itl: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+def check_lengths(prompt_len: tuple[int, int], output_len: tuple[int, int], max_seq_len: int) -> str | None:
+    """:class:`ConfigError` when even the shortest prompt plus the shortest output cannot fit the server's
+    context; a warning (to print) when the longest do not, and :func:`make_trace` will cut them."""
+    from devgraph.errors import ConfigError
+
+    if prompt_len[0] + output_len[0] > max_seq_len:
+        raise ConfigError(
+            f"--prompt-len {_span(prompt_len)} and --output-len {_span(output_len)} cannot fit the server's "
+            f"context of {max_seq_len} tokens (prompt + output); lower them"
+        )
+    if prompt_len[1] + output_len[1] > max_seq_len:
+        return (
+            f"prompts up to {prompt_len[1]} plus outputs up to {output_len[1]} tokens exceed the server's "
+            f"context of {max_seq_len}: longer requests are cut to fit (the lengths sent are in the summary "
+            "and the JSON)"
+        )
+    return None
+
+
+def _span(bounds: tuple[int, int]) -> str:
+    return str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}:{bounds[1]}"
+
+
+def trace_lengths(trace: list[TraceRequest]) -> dict[str, dict[str, float]]:
+    """Min, max and mean of the prompt and output lengths actually sent."""
+
+    def spread(values: list[int]) -> dict[str, float]:
+        return {"min": min(values), "max": max(values), "mean": sum(values) / len(values)} if values else {}
+
+    return {
+        "prompt_len": spread([len(r.prompt) for r in trace]),
+        "output_len": spread([r.max_tokens for r in trace]),
+    }
 
 
 def make_trace(
@@ -56,7 +101,8 @@ def make_trace(
     max_seq_len: int,
     seed: int,
 ) -> list[TraceRequest]:
-    """``num`` requests with uniform prompt and output lengths (cut so each fits ``max_seq_len``)."""
+    """``num`` requests with uniform prompt and output lengths (cut so each fits ``max_seq_len``; see
+    :func:`check_lengths` and :func:`trace_lengths`)."""
     rng = random.Random(seed)
     trace = []
     for index in range(num):
@@ -100,7 +146,8 @@ async def _one(
             f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as response:
             if response.status != 200:
-                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                result.error_kind = f"HTTP {response.status}"
+                result.error = f"HTTP {response.status}: {_error_message(await response.text())}"
                 return result
             async for raw in response.content:
                 line = raw.strip()
@@ -111,7 +158,7 @@ async def _one(
                     break
                 event = json.loads(payload)
                 if "error" in event:
-                    result.error = event["error"]["message"]
+                    result.error_kind, result.error = "stream error", str(event["error"].get("message"))
                     return result
                 choice = event["choices"][0]
                 _record(result, choice["token_ids"], time.perf_counter() - start)
@@ -119,10 +166,19 @@ async def _one(
                     result.finish_reason = choice["finish_reason"]
         result.ok = result.finish_reason is not None
         if not result.ok:
-            result.error = "the stream ended without a finish_reason"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+            result.error_kind, result.error = "no finish_reason", "the stream ended without a finish_reason"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else type(exc).__name__
+        result.error_kind, result.error = kind, f"{kind}: {exc}"
     return result
+
+
+def _error_message(text: str) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the body's start."""
+    try:
+        return str(json.loads(text)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
 
 
 def _record(result: RequestResult, token_ids: list[int], elapsed: float) -> None:
@@ -205,11 +261,24 @@ def _command_line() -> str:
 def run_from_args(args: argparse.Namespace) -> int:
     from devgraph.errors import ConfigError
 
+    if args.json:
+        _check_writable(args.json)
+    lengths: dict[str, Any] = {}
+
     async def main() -> dict[str, Any]:
         import aiohttp
 
         async with aiohttp.ClientSession() as session:
-            card = await fetch_model(session, args.url.rstrip("/"))
+            try:
+                card = await fetch_model(session, args.url.rstrip("/"))
+            except (aiohttp.ClientResponseError, aiohttp.ContentTypeError, KeyError, IndexError) as exc:
+                raise ConfigError(
+                    f"{args.url} did not answer GET /v1/models like devgraph serve does "
+                    f"({type(exc).__name__}: {shorten(str(exc))}); is --url the server's base URL?"
+                ) from None
+        warning = check_lengths(args.prompt_len, args.output_len, card["max_seq_len"])
+        if warning:
+            print(f"devgraph bench serve: warning: {warning}", file=sys.stderr, flush=True)
         trace = make_trace(
             args.num_requests,
             args.prompt_len,
@@ -218,6 +287,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             card["max_seq_len"],
             args.seed,
         )
+        lengths.update(trace_lengths(trace), context=card["max_seq_len"], cut=warning is not None)
         return await run_load(
             args.url,
             trace,
@@ -236,15 +306,53 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"cannot reach the server at {args.url}: {exc}; start it with devgraph serve"
         ) from None
-    print(summary_table(run["summary"]))
+    _print(summary_table(run["summary"]))
+    _print(_sent(lengths))
     if args.json:
         record = {
             "command": _command_line(),
             "label": args.label,
             "url": args.url,
             "load": {"concurrency": args.concurrency, "request_rate": args.request_rate},
+            "sent": lengths,
             **run,
         }
         with open(args.json, "w") as fh:
             json.dump(record, fh, indent=1)
     return 0 if run["summary"]["failed"] == 0 else 1
+
+
+def _sent(lengths: dict[str, Any]) -> str:
+    prompt, output = lengths.get("prompt_len") or {}, lengths.get("output_len") or {}
+    if not prompt:
+        return "sent no requests"
+    cut = f" (cut to the context of {lengths['context']})" if lengths.get("cut") else ""
+    return (
+        f"sent prompts of {prompt['min']}-{prompt['max']} tokens (mean {prompt['mean']:.1f}), "
+        f"max_tokens {output['min']}-{output['max']} (mean {output['mean']:.1f}){cut}"
+    )
+
+
+def _check_writable(path: str) -> None:
+    """:class:`ConfigError` now, not after the run, when ``--json PATH`` cannot be written."""
+    from devgraph.errors import ConfigError
+
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--json {shorten(path)} cannot be written: {exc.strerror}") from None
+    if not existed:
+        os.remove(path)
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader that went away (``| head``) ends the output quietly, not with a traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

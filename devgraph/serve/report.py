@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,8 @@ from devgraph.errors import BackendUnavailableError
 __all__ = ["PERCENTILES", "percentile", "plot_modes", "summarize", "summary_table"]
 
 PERCENTILES = (50, 90, 99)
+#: Failed requests whose error messages the summary keeps (all are counted by kind).
+FIRST_ERRORS = 3
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -36,7 +39,8 @@ def summarize(results: Sequence[Mapping[str, Any]], wall_seconds: float) -> dict
 
     Latencies in milliseconds. ``itl_ms`` pools every gap between consecutive tokens of every request;
     ``tpot_ms`` is per request ``(last token - first token) / (tokens - 1)``. ``output_tokens_per_s`` is
-    all output tokens over the run's wall time (first send to last token).
+    all output tokens over the run's wall time (first send to last token). ``errors`` counts failed
+    requests per kind (``"HTTP 400"``, ``"stream error"``, ...); ``first_errors`` keeps the first messages.
     """
     ok = [r for r in results if r["ok"]]
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
@@ -47,10 +51,14 @@ def summarize(results: Sequence[Mapping[str, Any]], wall_seconds: float) -> dict
         if len(r["token_times"]) > 1
     ]
     output_tokens = sum(len(r["token_ids"]) for r in ok)
+    failed = [r for r in results if not r["ok"]]
+    kinds = Counter(r.get("error_kind") or "unknown" for r in failed)
     return {
         "requests": len(results),
         "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "failed": len(failed),
+        "errors": dict(kinds.most_common()),
+        "first_errors": [r.get("error") or "unknown" for r in failed[:FIRST_ERRORS]],
         "wall_seconds": wall_seconds,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / wall_seconds if wall_seconds > 0 else math.nan,
@@ -71,6 +79,10 @@ def summary_table(summary: Mapping[str, Any]) -> str:
     for name in ("ttft_ms", "itl_ms", "tpot_ms"):
         row = summary[name]
         lines.append(f"  {name:>10} " + " ".join(f"{row[k]:>9.2f}" for k in ("p50", "p90", "p99", "mean")))
+    if summary["failed"]:
+        kinds = ", ".join(f"{kind}: {count}" for kind, count in summary.get("errors", {}).items())
+        lines.append(f"failed {summary['failed']} ({kinds}); first errors:")
+        lines += [f"  {error}" for error in summary.get("first_errors", [])]
     return "\n".join(lines)
 
 

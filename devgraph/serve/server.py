@@ -24,7 +24,7 @@ from devgraph.errors import ConfigError
 from devgraph.factory import resolve_platform
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.engine.config import EngineConfig
-from devgraph.reference.engine.engine import Engine
+from devgraph.reference.engine.engine import Engine, check_warm_up_fits
 from devgraph.reference.engine.loop import EngineLoop
 from devgraph.reference.model import ReferenceModel
 from devgraph.serve.metrics import ServeMetrics, prometheus_available
@@ -64,7 +64,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
         if value is not None:
             overrides[name] = value
     model_config = ReferenceConfig.preset(args.preset or defaults["preset"], **overrides)
+    # Before allocating (or capturing) anything: the cache must fit the memory and the warm-up.
     check_kv_memory(model_config, _free_bytes(device), device)
+    check_warm_up_fits(model_config)
     _warn_small_cache(model_config)
     engine_config = EngineConfig(
         max_running_requests=running,
@@ -80,8 +82,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 def kv_cache_bytes(config: ReferenceConfig) -> int:
     """Bytes of the paged K and V caches of every layer."""
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
-    per_block = config.block_size * config.num_kv_heads * config.head_dim * itemsize
+    per_block = config.block_size * config.num_kv_heads * config.head_dim * config.dtype.itemsize
     return 2 * config.num_layers * config.total_blocks * per_block
 
 

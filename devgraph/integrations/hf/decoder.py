@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -38,6 +39,28 @@ def _positive(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"DevgraphDecoder {name} must be a positive int, got {shorten(value)}")
     return value
+
+
+def _capped(config: DeviceGraphConfig, max_batch: int) -> DeviceGraphConfig:
+    """``config`` with its decode ``max_size`` and ``sizes`` cut to ``max_batch`` (the cache has no more
+    rows, and the flag's sizes win over the decoder's), with a warning when that changes anything."""
+    current = config.for_phase("decode")
+    changes: dict[str, Any] = {}
+    if current.max_size is not None and current.max_size > max_batch:
+        changes["max_size"] = max_batch
+    if current.sizes is not None and max(current.sizes) > max_batch:
+        changes["sizes"] = tuple(sorted({min(size, max_batch) for size in current.sizes}))
+    if not changes:
+        return config
+    logger.warning(
+        "devgraph: DevgraphDecoder decode graphs are capped at max_batch=%d (the shared cache's rows): the "
+        "config asked for %s",
+        max_batch,
+        ", ".join(f"{key} {getattr(current, key)!r}" for key in changes),
+    )
+    return DeviceGraphConfig(
+        {**config.phases, "decode": dataclasses.replace(current, **changes)}, config.source
+    )
 
 
 class DevgraphDecoder:
@@ -94,6 +117,7 @@ class DevgraphDecoder:
         if self.fast is not None and not isinstance(self.fast, FastPath):
             raise ConfigError(f"DevgraphDecoder fast must be True, False or a FastPath, got {shorten(fast)}")
         self.windows = resolve_windows(self.fast.windows if self.fast else None, self.max_cache_len)
+        graphs = _capped(DeviceGraphConfig.parse(config), self.max_batch)
         self.cache = SharedStaticCache(model, self.max_batch, self.max_cache_len)
         # The decode step's 2-D padding mask, written once per generate(): rows past the batch stay all True
         # (a row of zeros would mask every key and give NaN); bool, so the model's .to(bool) is free.
@@ -110,7 +134,7 @@ class DevgraphDecoder:
             sizes=sizes,
             max_size=self.max_batch,
             device=self.device,
-            config=config,
+            config=graphs,
             warmup_iters=warmup_iters,
             progress=progress,
             variants={"window": self.windows} if self.windows else None,
@@ -126,11 +150,19 @@ class DevgraphDecoder:
         self._closed = False
         self.capture_seconds = 0.0
         try:
-            smallest = min(self.windows, default=self.max_cache_len)
-            if smallest <= self.runner.warmup_iters:
+            warmups = self.runner.warmup_iters
+            if self.windows and self.windows[0] <= warmups:
                 raise ConfigError(
-                    f"FastPath window {smallest} is too short for {self.runner.warmup_iters} warm-up steps "
-                    "per captured graph (each writes one cache position): use windows of at least 32"
+                    f"FastPath window {self.windows[0]} is too short for {warmups} warm-up steps per "
+                    f"captured graph (each writes one cache position): use windows longer than {warmups}, "
+                    "or fewer warmup_iters"
+                )
+            if self.max_cache_len <= warmups:
+                raise ConfigError(
+                    f"DevgraphDecoder max_cache_len {self.max_cache_len} is too short for {warmups} warm-up "
+                    f"steps per captured graph (each writes one cache position): use a max_cache_len above "
+                    f"{warmups} (prompt + new tokens of the calls to run on the graphs), or fewer "
+                    "warmup_iters"
                 )
             if self.fast is not None:  # also without graphs ("disabled"): every mode computes the same
                 self.regions = DecodeRegions(model, self.fast, self.runner.platform)

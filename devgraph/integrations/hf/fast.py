@@ -48,9 +48,11 @@ from devgraph.integrations.hf.regions import (
 from devgraph.modes import shorten
 from devgraph.platform import GraphPlatform
 
-__all__ = ["FastPath", "DecodeRegions", "resolve_windows"]
+__all__ = ["MIN_WINDOW", "FastPath", "DecodeRegions", "resolve_windows"]
 
 COMPILERS = ("inductor", "eager")
+#: The shortest window :class:`FastPath` accepts (a runner's ``warmup_iters`` is at most 16).
+MIN_WINDOW = 16
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,9 @@ class FastPath:
     ``compile_regions``: RMSNorm, SwiGLU and RoPE compiled (``compiler``: ``"inductor"``, or ``"eager"``
     to trace with dynamo and run the traced ops as they are, for debugging). ``pack_gqa``: decode attention
     on the key/value heads (``sdpa`` only). ``windows``: ``None`` (attend over all ``max_cache_len``
-    positions), ``"auto"`` (powers of two from 256, then ``max_cache_len``) or window lengths: each step
-    replays the graph of the smallest window holding the sequence, so attention reads only that window.
+    positions), ``"auto"`` (powers of two from 256, then ``max_cache_len``) or window lengths (at least
+    :data:`MIN_WINDOW`): each step replays the graph of the smallest window holding the sequence, so
+    attention reads only that window.
     """
 
     compile_regions: bool = True
@@ -72,6 +75,24 @@ class FastPath:
     def __post_init__(self) -> None:
         if self.compiler not in COMPILERS:
             raise ConfigError(f"FastPath compiler must be one of {COMPILERS}, got {shorten(self.compiler)}")
+        windows = self.windows
+        if windows is None or windows == "auto":
+            return
+        if (
+            isinstance(windows, str)
+            or not isinstance(windows, Sequence)
+            or not windows
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in windows)
+        ):
+            raise ConfigError(
+                f"FastPath windows must be None, 'auto' or a non-empty list of ints, got {shorten(windows)}"
+            )
+        short = sorted(w for w in windows if isinstance(w, int) and w < MIN_WINDOW)
+        if short:
+            raise ConfigError(
+                f"FastPath windows must be at least {MIN_WINDOW} positions, got {shorten(short)}: a shorter "
+                "window saves nothing, and each captured graph's warm-up steps write into it"
+            )
 
 
 def resolve_windows(windows: Sequence[int] | str | None, max_cache_len: int) -> tuple[int, ...]:
@@ -84,9 +105,11 @@ def resolve_windows(windows: Sequence[int] | str | None, max_cache_len: int) -> 
         raise ConfigError(f"FastPath windows must be None, 'auto' or a list of ints, got {shorten(windows)}")
     else:
         chosen = list(windows)
-    bad = [w for w in chosen if not 1 <= w <= max_cache_len]
+    bad = [w for w in chosen if not MIN_WINDOW <= w <= max_cache_len]
     if bad:
-        raise ConfigError(f"FastPath windows {bad} must lie in 1..max_cache_len ({max_cache_len})")
+        raise ConfigError(
+            f"FastPath windows {shorten(bad)} must lie in {MIN_WINDOW}..max_cache_len ({max_cache_len})"
+        )
     return tuple(sorted({*chosen, max_cache_len}))
 
 

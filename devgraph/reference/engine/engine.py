@@ -21,6 +21,7 @@ from devgraph.capture import CaptureReport
 from devgraph.config import DeviceGraphConfig
 from devgraph.errors import ConfigError, InputError
 from devgraph.modes import shorten
+from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.engine.allocator import BlockAllocator, BlockTables
 from devgraph.reference.engine.batch import StepBatch, decode_batch, prefill_batch
 from devgraph.reference.engine.config import EngineConfig
@@ -32,12 +33,29 @@ from devgraph.reference.model import ReferenceModel
 from devgraph.reference.runners import decode_runner, prefill_runner
 from devgraph.runner import GraphRunner
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "check_warm_up_fits"]
 
 logger = logging.getLogger("devgraph.serve.engine")
 
 #: The start-up warm-up's longer prompt (tokens), cut to the context.
 WARMUP_PROMPT = 100
+
+
+def check_warm_up_fits(config: ReferenceConfig) -> int:
+    """The warm-up's longer prompt length; :class:`ConfigError` naming the ``--num-blocks`` it needs when
+    the KV cache cannot hold that request (call it before allocating anything)."""
+    longest = max(1, min(WARMUP_PROMPT, config.max_seq_len - 2))
+    tokens = longest + 2  # max_tokens=2
+    needed = -(-tokens // config.block_size)
+    usable = config.total_blocks - 1  # block 0 is scratch
+    if needed > usable:
+        raise ConfigError(
+            f"the KV cache is too small for the start-up warm-up: {usable} usable block(s) of "
+            f"{config.block_size} positions hold {usable * config.block_size} tokens, the warm-up request "
+            f"needs {tokens} ({needed} blocks); raise num_blocks (--num-blocks) to at least {needed + 1} "
+            "(block 0 is scratch)"
+        )
+    return longest
 
 
 class Engine:
@@ -106,16 +124,7 @@ class Engine:
         """Serve two throw-away requests (a 1-token and a longer prompt) so that first-use costs (lazy
         initialisation, kernel compilation in eager mode) do not land on the first real request; then
         zero every counter. :class:`ConfigError` when the KV cache cannot hold the longer one."""
-        longest = max(1, min(WARMUP_PROMPT, self.model_config.max_seq_len - 2))
-        needed = self.scheduler.blocks_for(longest + 2)
-        if needed > self.allocator.capacity:
-            block = self.model_config.block_size
-            raise ConfigError(
-                f"the KV cache is too small for the start-up warm-up: {self.allocator.capacity} usable "
-                f"block(s) of {block} positions hold {self.allocator.capacity * block} tokens, the warm-up "
-                f"request needs {longest + 2} ({needed} blocks); raise num_blocks (--num-blocks) to at "
-                f"least {needed + 1} (block 0 is scratch)"
-            )
+        longest = check_warm_up_fits(self.model_config)
         self.generate([[0], [1] * longest], SamplingParams(max_tokens=2))
         self.step_counts.clear()
         self.finished_count.clear()
