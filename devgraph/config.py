@@ -20,7 +20,7 @@ import argparse
 import json
 import reprlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from devgraph.errors import ConfigError
@@ -275,6 +275,26 @@ class DeviceGraphConfig:
     def for_phase(self, phase: str) -> PhaseConfig:
         """This phase's settings (``auto`` with defaults when the flag does not name it)."""
         return self.phases.get(Phase.parse(phase).value, PhaseConfig())
+
+    def capped(self, phase: str, limit: int) -> tuple[DeviceGraphConfig, str]:
+        """This config with ``phase``'s ``max_size`` at most ``limit`` and its ``sizes`` above ``limit``
+        replaced by ``limit`` (the largest step the caller runs still gets its graph), and a description
+        of what the flag asked for that was cut (empty when nothing changed), for the caller's warning.
+
+        The flag's sizes win over a runner's own ``max_size``, so an engine that never runs more than
+        ``limit`` rows calls this rather than capture graphs no step replays.
+        """
+        current = self.for_phase(phase)
+        changes: dict[str, Any] = {}
+        if current.max_size is not None and current.max_size > limit:
+            changes["max_size"] = limit
+        if current.sizes is not None and max(current.sizes) > limit:
+            changes["sizes"] = tuple(sorted({min(size, limit) for size in current.sizes}))
+        if not changes:
+            return self, ""
+        asked = ", ".join(f"{key} {getattr(current, key)!r}" for key in changes)
+        phases = {**self.phases, Phase.parse(phase).value: replace(current, **changes)}
+        return DeviceGraphConfig(phases, self.source), asked
 
     def __str__(self) -> str:
         return self.source

@@ -292,3 +292,20 @@ def test_argparse_rejects_bad_value(capsys):
     err = capsys.readouterr().err
     assert "argument --device-graph-mode: '{\"decode\": \"ful\"}': mode 'ful'" in err
     assert "did you mean 'full'" in err
+
+
+def test_capped_cuts_max_size_and_sizes_to_the_limit_and_says_what_was_asked() -> None:
+    config = DeviceGraphConfig.parse('{"decode": {"backend": "full", "sizes": [1, 8, 64], "max_size": 512}}')
+    capped, asked = config.capped("decode", 16)
+    decode = capped.for_phase("decode")
+    assert decode.max_size == 16
+    assert decode.sizes == (1, 8, 16)
+    assert decode.backend == config.for_phase("decode").backend
+    assert "max_size 512" in asked and "(1, 8, 64)" in asked
+    assert capped.for_phase("prefill") == config.for_phase("prefill")
+
+
+def test_capped_returns_the_same_config_when_nothing_exceeds_the_limit() -> None:
+    config = DeviceGraphConfig.parse('{"decode": {"backend": "full", "sizes": [1, 2], "max_size": 4}}')
+    assert config.capped("decode", 4) == (config, "")
+    assert DeviceGraphConfig.parse("auto").capped("prefill", 1) == (DeviceGraphConfig.parse("auto"), "")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import threading
 import time
@@ -44,23 +43,15 @@ def _positive(value: Any, name: str) -> int:
 def _capped(config: DeviceGraphConfig, max_batch: int) -> DeviceGraphConfig:
     """``config`` with its decode ``max_size`` and ``sizes`` cut to ``max_batch`` (the cache has no more
     rows, and the flag's sizes win over the decoder's), with a warning when that changes anything."""
-    current = config.for_phase("decode")
-    changes: dict[str, Any] = {}
-    if current.max_size is not None and current.max_size > max_batch:
-        changes["max_size"] = max_batch
-    if current.sizes is not None and max(current.sizes) > max_batch:
-        changes["sizes"] = tuple(sorted({min(size, max_batch) for size in current.sizes}))
-    if not changes:
-        return config
-    logger.warning(
-        "devgraph: DevgraphDecoder decode graphs are capped at max_batch=%d (the shared cache's rows): the "
-        "config asked for %s",
-        max_batch,
-        ", ".join(f"{key} {getattr(current, key)!r}" for key in changes),
-    )
-    return DeviceGraphConfig(
-        {**config.phases, "decode": dataclasses.replace(current, **changes)}, config.source
-    )
+    capped, asked = config.capped("decode", max_batch)
+    if asked:
+        logger.warning(
+            "devgraph: DevgraphDecoder decode graphs are capped at max_batch=%d (the shared cache's rows): "
+            "the config asked for %s",
+            max_batch,
+            asked,
+        )
+    return capped
 
 
 class DevgraphDecoder:

@@ -9,7 +9,6 @@ to them, with a warning.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from devgraph.config import DeviceGraphConfig
@@ -20,24 +19,16 @@ logger = logging.getLogger("devgraph.serve.engine")
 
 
 def cap_phase_sizes(config: DeviceGraphConfig, phase: str, limit: int, why: str) -> DeviceGraphConfig:
-    """``config`` with ``phase``'s ``max_size`` at most ``limit`` and its ``sizes`` above ``limit`` replaced
-    by ``limit`` (the largest step the engine runs still gets its graph); warns when it changes anything.
-    ``why`` names the limit for the warning (e.g. ``"max_running_requests"``)."""
-    current = config.for_phase(phase)
-    changes: dict[str, object] = {}
-    if current.max_size is not None and current.max_size > limit:
-        changes["max_size"] = limit
-    if current.sizes is not None and max(current.sizes) > limit:
-        changes["sizes"] = tuple(sorted({min(size, limit) for size in current.sizes}))
-    if not changes:
-        return config
-    logger.warning(
-        "devgraph: %s graphs are capped at %d (the engine's %s): the flag asked for %s, and larger "
-        "steps never run",
-        phase,
-        limit,
-        why,
-        ", ".join(f"{key} {getattr(current, key)!r}" for key in changes),
-    )
-    phases = {**config.phases, phase: dataclasses.replace(current, **changes)}  # type: ignore[arg-type]
-    return DeviceGraphConfig(phases, config.source)
+    """``config`` with ``phase``'s graph sizes cut to ``limit`` (see :meth:`DeviceGraphConfig.capped`);
+    warns when it changes anything. ``why`` names the limit for the warning (``"token_budget"``)."""
+    capped, asked = config.capped(phase, limit)
+    if asked:
+        logger.warning(
+            "devgraph: %s graphs are capped at %d (the engine's %s): the flag asked for %s, and larger "
+            "steps never run",
+            phase,
+            limit,
+            why,
+            asked,
+        )
+    return capped
