@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from devgraph.errors import ConfigError
+from devgraph.reference.config_rules import check_kernels, check_positive_ints, preset_values
 
 __all__ = ["ReferenceConfig", "PRESET_NAMES", "ATTENTION_MODES"]
 
@@ -103,10 +103,7 @@ class ReferenceConfig:
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"ReferenceConfig.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, _POSITIVE_INTS)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"ReferenceConfig.num_heads ({self.num_heads}) must be divisible by "
@@ -125,10 +122,7 @@ class ReferenceConfig:
                 f"ReferenceConfig.attention {self.attention!r} is unknown; "
                 f"accepted: {', '.join(ATTENTION_MODES)}"
             )
-        if self.kernels not in ("auto", "triton", "torch"):
-            raise ConfigError(
-                f"ReferenceConfig.kernels {self.kernels!r} is unknown; accepted: auto, triton, torch"
-            )
+        check_kernels(self, self.kernels)
         if self.head_dim % 2:
             raise ConfigError(f"ReferenceConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if not self.rope_theta > 0 or not self.rms_eps > 0:
@@ -165,16 +159,7 @@ class ReferenceConfig:
 
         ``dtype`` may be given as a torch.dtype or a name such as ``"bf16"``.
         """
-        if name not in _PRESETS:
-            raise ConfigError(f"unknown reference preset {name!r}; accepted: {', '.join(PRESET_NAMES)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise ConfigError(
-                f"unknown ReferenceConfig field(s) {', '.join(unknown)}; "
-                f"accepted: {', '.join(sorted(fields))}"
-            )
-        values = {**_PRESETS[name], **overrides}
+        values = preset_values(cls, "reference", _PRESETS, name, overrides)
         dtype = values.get("dtype")
         if isinstance(dtype, str):
             if dtype not in _DTYPE_NAMES:

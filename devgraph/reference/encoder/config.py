@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 
 from devgraph.errors import ConfigError
 from devgraph.modes import shorten
+from devgraph.reference.config_rules import check_kernels, check_positive_ints, preset_values
 
 __all__ = ["ENCODER_ATTENTION", "ENCODER_PRESETS", "VisionConfig"]
 
@@ -84,10 +84,7 @@ class VisionConfig:
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"VisionConfig.{name} must be a positive int, got {shorten(value)}")
+        check_positive_ints(self, _POSITIVE_INTS)
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"VisionConfig.hidden_size ({self.hidden_size}) must be a multiple of num_heads "
@@ -124,10 +121,7 @@ class VisionConfig:
                 f"VisionConfig.attention {shorten(self.attention)} is unknown; "
                 f"accepted: {', '.join(ENCODER_ATTENTION)}"
             )
-        if self.kernels not in ("auto", "triton", "torch"):
-            raise ConfigError(
-                f"VisionConfig.kernels {shorten(self.kernels)} is unknown; accepted: auto, triton, torch"
-            )
+        check_kernels(self, self.kernels)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError(f"VisionConfig.dtype must be a floating torch.dtype, got {shorten(self.dtype)}")
         if not self.rope_theta > 0 or not self.norm_eps > 0:
@@ -156,14 +150,4 @@ class VisionConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> VisionConfig:
         """A named preset (``"tiny"`` or ``"qwen2-vl"``) with any field overridden."""
-        if name not in _PRESETS:
-            raise ConfigError(
-                f"unknown vision encoder preset {shorten(name)}; accepted: {', '.join(ENCODER_PRESETS)}"
-            )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise ConfigError(
-                f"unknown VisionConfig field(s) {', '.join(unknown)}; accepted: {', '.join(sorted(fields))}"
-            )
-        return cls(**{**_PRESETS[name], **overrides})
+        return cls(**preset_values(cls, "vision encoder", _PRESETS, name, overrides))
