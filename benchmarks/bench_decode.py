@@ -574,13 +574,10 @@ class Bench:
             for phase in ("decode", "prefill")
         }
 
-    def decode(self) -> None:
+    def add_strategies(self, phase: str) -> None:
+        """Eager, the hand-written graph and every strategy on paged and sdpa attention, for ``phase``."""
         s = self.setup
         assert s is not None
-        phase, compiled = (
-            "decode",
-            json.dumps({"decode": {"backend": "full", "compiler": self.plan.compiler}}),
-        )
         self.add_eager(phase, ("paged", "sdpa"))
         self.add(phase, lambda: hand_variant(s, phase), "hand", 5)
         self.add(phase, lambda: runner_variant(s, phase, "full", "paged", "full"), "full", 5)
@@ -603,6 +600,13 @@ class Bench:
             "tc_piecewise_sdpa",
             15,
         )
+
+    def decode(self) -> None:
+        s = self.setup
+        assert s is not None
+        phase = "decode"
+        compiled = json.dumps({"decode": {"backend": "full", "compiler": self.plan.compiler}})
+        self.add_strategies(phase)
         self.add(
             phase, lambda: runner_variant(s, phase, "full_inductor", "paged", compiled), "full_inductor", 60
         )
@@ -613,33 +617,9 @@ class Bench:
         self.time_phase(phase)
 
     def prefill(self) -> None:
-        s = self.setup
-        assert s is not None
-        phase = "prefill"
-        self.add_eager(phase, ("paged", "sdpa"))
-        self.add(phase, lambda: hand_variant(s, phase), "hand", 5)
-        self.add(phase, lambda: runner_variant(s, phase, "full", "paged", "full"), "full", 5)
-        self.add(phase, lambda: runner_variant(s, phase, "breakable", "paged", "breakable"), "breakable", 5)
-        self.add(
-            phase,
-            lambda: runner_variant(s, phase, "breakable_sdpa", "sdpa", "breakable"),
-            "breakable_sdpa",
-            8,
-        )
-        self.add(
-            phase,
-            lambda: runner_variant(s, phase, "tc_piecewise", "paged", "tc_piecewise"),
-            "tc_piecewise",
-            15,
-        )
-        self.add(
-            phase,
-            lambda: runner_variant(s, phase, "tc_piecewise_sdpa", "sdpa", "tc_piecewise"),
-            "tc_piecewise_sdpa",
-            15,
-        )
+        self.add_strategies("prefill")
         self.report.save()
-        self.time_phase(phase)
+        self.time_phase("prefill")
 
     def verify(self) -> None:
         s = self.setup
