@@ -147,31 +147,22 @@ def _field_named(message: str) -> str | None:
 def completion_chunk(
     request_id: str, model: str, created: int, text: str, output: RequestOutput
 ) -> dict[str, Any]:
-    """One server-sent event of a streamed completion."""
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "token_ids": output.token_ids,
-                "logprobs": None,
-                "finish_reason": str(output.finish_reason) if output.finished else None,
-            }
-        ],
-    }
-    if output.finished:
-        chunk["usage"] = _usage(output)
-    return chunk
+    """One server-sent event of a streamed completion: this step's text and tokens; the finish reason
+    and usage on the last."""
+    return _completion(request_id, model, created, text, output.token_ids, output)
 
 
 def completion_response(
     request_id: str, model: str, created: int, text: str, token_ids: list[int], last: RequestOutput
 ) -> dict[str, Any]:
-    return {
+    """The whole completion of a finished request (``last``: its final output)."""
+    return _completion(request_id, model, created, text, token_ids, last)
+
+
+def _completion(
+    request_id: str, model: str, created: int, text: str, token_ids: list[int], output: RequestOutput
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
@@ -182,11 +173,13 @@ def completion_response(
                 "text": text,
                 "token_ids": token_ids,
                 "logprobs": None,
-                "finish_reason": str(last.finish_reason),
+                "finish_reason": str(output.finish_reason) if output.finished else None,
             }
         ],
-        "usage": _usage(last),
     }
+    if output.finished:
+        body["usage"] = _usage(output)
+    return body
 
 
 def _usage(output: RequestOutput) -> dict[str, int]:
