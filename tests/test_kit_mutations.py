@@ -83,8 +83,8 @@ class TcReplaysTwice(TcPiecewiseBackend):
         return super().replay(key, static_inputs)
 
 
-class ReplaysAndRunsEagerly(FullGraphBackend):
-    """Replays, then also runs the forward eagerly "to be safe"; returns the graph's outputs."""
+class _KeepsForwards(FullGraphBackend):
+    """Keeps each key's forward from capture, for the mutants below that call it again."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -94,6 +94,10 @@ class ReplaysAndRunsEagerly(FullGraphBackend):
         outputs = super().capture_one(key, forward_fn)
         self._forwards[key] = forward_fn
         return outputs
+
+
+class ReplaysAndRunsEagerly(_KeepsForwards):
+    """Replays, then also runs the forward eagerly "to be safe"; returns the graph's outputs."""
 
     def replay(self, key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> Any:
         outputs = super().replay(key, static_inputs)
@@ -131,17 +135,8 @@ class ClonedOutputs(FullGraphBackend):
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
 
 
-class PythonReplay(FullGraphBackend):
+class PythonReplay(_KeepsForwards):
     """Re-runs the forward at replay instead of replaying what was captured."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._forwards: dict[GraphKey, Callable[[], Any]] = {}
-
-    def capture_one(self, key: GraphKey, forward_fn: Callable[[], Any]) -> Any:
-        outputs = super().capture_one(key, forward_fn)
-        self._forwards[key] = forward_fn
-        return outputs
 
     def replay(self, key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> Any:
         if key not in self._entries:
