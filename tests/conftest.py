@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from devgraph import graph_break
 from devgraph.plugins import get_registry
 from devgraph.reference import ReferenceConfig, ReferenceModel
 
@@ -93,3 +94,22 @@ def dist_dir(tmp_path, monkeypatch):
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
     return site
+
+
+# Break ops for the tests of break-op memory shared across sizes (tests/test_strategies.py, test_cuda.py).
+@graph_break("devgraph_test::mix_rows")
+def mix_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every output row depends on every row before it, so a row read from another size's memory shows."""
+    return torch.cumsum(x, dim=0) * 0.5 + x
+
+
+@graph_break("devgraph_test::shift_rows")
+def shift_rows(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Row i gets row i - 1 (row 0 gets zeros): real rows never read the padding rows after them."""
+    return torch.cat([torch.zeros_like(x[:1]), x[:-1]]) - bias
+
+
+def chained_breaks(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Two break ops back to back (the second reads the first's output, a weak alias into the graph pool
+    on a device), then a segment."""
+    return torch.tanh(shift_rows(mix_rows(x * 1.5), bias)) + x

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import chained_breaks
 
 import devgraph
 from devgraph import CaptureError, GraphKey, GraphRunner, StaticInput, graph_break
@@ -438,23 +439,6 @@ def test_full_bakes_the_capture_time_context_into_the_graph():
         torch.testing.assert_close(out, (torch.sin(x) + 1.0) * 2.0)
 
 
-@graph_break("devgraph_test_cuda::mix_rows")
-def mix_rows(x: torch.Tensor) -> torch.Tensor:
-    """Every output row depends on every row before it, so a row read from another size's memory shows."""
-    return torch.cumsum(x, dim=0) * 0.5 + x
-
-
-@graph_break("devgraph_test_cuda::shift_rows")
-def shift_rows(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Row i gets row i - 1 (row 0 gets zeros): real rows never read the padding rows after them."""
-    return torch.cat([torch.zeros_like(x[:1]), x[:-1]]) - bias
-
-
-def _chained_breaks(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # Two break ops back to back (the second reads the first's output, a weak alias into the pool).
-    return torch.tanh(shift_rows(mix_rows(x * 1.5), bias)) + x
-
-
 def _replay_in_random_orders(runner: GraphRunner, steps: dict[int, tuple[Any, dict[str, Any]]]) -> None:
     order = list(steps)
     rng = random.Random(0)
@@ -472,7 +456,7 @@ def test_break_op_aliases_replay_exactly_in_any_size_order(mode):
     """Break-op arguments and outputs are weak aliases into the graph pool that other sizes reuse once
     dead: replaying sizes in random orders, interleaved with eager steps, must stay exact."""
     runner = GraphRunner(
-        _chained_breaks,
+        chained_breaks,
         phase="prefill",
         mode=mode,
         sizes=[16, 64, 256, 1024],

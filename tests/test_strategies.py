@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from conftest import chained_breaks
 
 import devgraph
 from devgraph import CaptureError, GraphKey, GraphRunner, RecompileError, StaticInput, graph_break
@@ -326,23 +327,6 @@ def test_breakable_records_each_break_op_with_its_arguments_and_outputs():
 
 
 # -- break-op memory shared across sizes ---------------------------------------------------------------
-@graph_break("devgraph_test::mix_rows")
-def mix_rows(x: torch.Tensor) -> torch.Tensor:
-    """Every output row depends on every row before it, so a row read from another size's memory shows."""
-    return torch.cumsum(x, dim=0) * 0.5 + x
-
-
-@graph_break("devgraph_test::shift_rows")
-def shift_rows(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Row i gets row i - 1 (row 0 gets zeros): real rows never read the padding rows after them."""
-    return torch.cat([torch.zeros_like(x[:1]), x[:-1]]) - bias
-
-
-def _chained_breaks(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # Two break ops back to back (the second reads the first's output directly), then a segment.
-    return torch.tanh(shift_rows(mix_rows(x * 1.5), bias)) + x
-
-
 def _replay_in_random_orders(
     runner: GraphRunner, steps: dict[int, tuple[object, dict[str, torch.Tensor]]], seed: int = 0
 ) -> None:
@@ -371,7 +355,7 @@ def test_break_ops_replay_exactly_in_any_size_order(mode):
     time): replaying sizes in random orders, interleaved with eager steps past the largest, stays exact.
     On the CPU this checks the plan logic; test_cuda checks the pool aliasing itself."""
     runner = GraphRunner(
-        _chained_breaks,
+        chained_breaks,
         phase="prefill",
         mode=mode,
         sizes=[2, 4, 8, 16],
