@@ -159,6 +159,19 @@ def test_a_library_handle_created_inside_capture_gets_warm_up_advice():
     assert "warmup_iters" in cause.advice and "max_size" not in cause.advice
 
 
+def test_cuda_platform_leaves_the_cublas_handle_failure_to_the_advice_table_so_it_is_advised_once():
+    from types import SimpleNamespace
+
+    from devgraph.capture import capture_failure
+
+    platform = pytest.importorskip("devgraph_cuda.platform").CudaPlatform()
+    error = RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`")
+    job = SimpleNamespace(platform=platform, phase="decode", max_size=8, backend=SimpleNamespace(name="full"))
+    message = str(capture_failure(error, job, GraphKey(4)))  # type: ignore[arg-type]
+    assert "CUBLAS_STATUS_NOT_INITIALIZED" in message  # the original error line is kept
+    assert message.count("warm the forward up") == 1
+
+
 def test_advice_under_breakable_never_suggests_breakable():
     cause = diagnose(RuntimeError("something odd"), phase="prefill", max_size=64, backend="breakable")
     assert "prefill=breakable" not in cause.advice and "prefill=disabled" in cause.advice

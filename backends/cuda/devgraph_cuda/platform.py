@@ -82,14 +82,9 @@ class CudaPlatform(TorchCudaGraphPlatform):
 
     def translate_capture_error(self, error: BaseException, size: int | None) -> CaptureError | None:
         """A CUDA stream-capture error as a :class:`CaptureError` saying what broke the rules and the fix."""
+        # cuBLAS creating its handle inside the capture (no warm-up) is diagnosed by the core's advice
+        # table for every platform (devgraph/advice.py), so it is not repeated here.
         text = str(error)
-        if "CUBLAS_STATUS_NOT_INITIALIZED" in text or "cublasCreate" in text:
-            return CaptureError(
-                "cuBLAS tried to create its handle inside the capture, which cannot be captured: warm the "
-                "forward up on the capture stream first (warmup_iters >= 1; with 0, the first capture of a "
-                "process fails)",
-                size=size,
-            )
         for needles, what in _CAPTURE_RULES:
             if any(needle in text for needle in needles):
                 first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
