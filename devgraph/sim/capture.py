@@ -91,8 +91,7 @@ class Capture:
         self.literals.clear()
         self.keepalive.clear()
         self.on_fail(error)
-        retire(self.recorder, self.guard)  # the mode whose handler runs now comes back, swept later
-        self.snapshots.restore()
+        self.close()  # the mode whose handler runs now comes back, swept later
         raise error
 
     # -- recording ---------------------------------------------------------------------------------
