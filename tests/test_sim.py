@@ -113,6 +113,27 @@ def test_platform_satisfies_the_interfaces() -> None:
     sim.synchronize()
 
 
+def test_op_info_writes_exactly_where_the_schema_is_mutable() -> None:
+    """Capture re-runs every op that writes an argument: ``writes`` stands for ``schema.is_mutable``."""
+    from devgraph.sim.ops import op_info
+
+    aten = torch.ops.aten
+    overloads = [
+        aten.add.Tensor,
+        aten.add_.Tensor,
+        aten.add.out,
+        aten.view.default,
+        aten.copy_.default,
+        aten._foreach_add_.Scalar,
+        aten.index_put_.default,
+        aten.empty.memory_format,
+        aten.resize_.default,
+    ]
+    for func in overloads:
+        assert bool(op_info(func).writes) == func._schema.is_mutable, func
+    assert [name for _, name in op_info(aten.add.out).writes] == ["out"]
+
+
 def test_replay_keeps_output_identity_and_storage(platform: CpuSimPlatform) -> None:
     x = torch.randn(4, 3)
     w = torch.randn(3, 5)

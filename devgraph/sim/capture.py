@@ -166,7 +166,7 @@ class Capture:
         if info.allocation:
             self.keepalive.extend(t for _, _, t in targets)
             return
-        if not targets and not info.mutable and info.builtin:
+        if not targets and not info.writes and info.builtin:
             return  # views (the captured view keeps aliasing its input) or metadata: nothing to redo
         self.steps.append(
             (True, op_step(func, args, kwargs, targets, info.single, info.collective), str(func))

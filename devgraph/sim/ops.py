@@ -48,9 +48,9 @@ class OpInfo:
     """What capture and replay need to know about one op overload (computed once per overload)."""
 
     name: str  # overload packet name, e.g. "aten.add"; the ``op`` of a CaptureError
-    mutable: bool  # writes an argument: always re-run
     # The arguments the schema says the op writes, as (position, name): ``self`` of in-place ops,
-    # ``out=`` of out variants, the list of ``_foreach_*_`` ops.
+    # ``out=`` of out variants, the list of ``_foreach_*_`` ops. Non-empty exactly when the schema is
+    # mutable: such an op is always re-run.
     writes: tuple[tuple[int, str], ...]
     # Per schema return: not one the op writes in place. Such a return is copied back at replay when
     # it is really new storage; one that shares an input's storage is a view and stays a view.
@@ -88,7 +88,6 @@ def _classify(func: Any) -> OpInfo:
     )
     return OpInfo(
         name=name,
-        mutable=schema.is_mutable,
         writes=writes,
         readable=tuple(r.alias_info is None or not r.alias_info.is_write for r in returns),
         single=len(returns) == 1,
