@@ -38,12 +38,6 @@ class StorageSnapshots:
     def __init__(self) -> None:
         self._saved: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
 
-    def __len__(self) -> int:
-        return len(self._saved)
-
-    def __contains__(self, ptr: object) -> bool:
-        return ptr in self._saved
-
     def save(self, ptr: int, storage: torch.UntypedStorage) -> None:
         """Copy ``storage`` (at address ``ptr``) unless this capture already has."""
         if ptr in self._saved:
