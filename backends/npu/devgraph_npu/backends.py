@@ -49,17 +49,16 @@ class NpuFullGraphBackend(FullGraphBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._host_updates: tuple[tuple[str, str], ...] = ()
-        self._specs: dict[str, StaticInput] = {}
+        # (host-side input name, op keyword, its StaticInput) per input updated before each replay
+        self._host_updates: tuple[tuple[str, str, StaticInput], ...] = ()
         self._updatable: dict[GraphKey, bool] = {}
 
     @property
     def host_updates(self) -> Mapping[str, str]:
         """Host-side input name -> op keyword updated before each replay."""
-        return dict(self._host_updates)
+        return {name: keyword for name, keyword, _ in self._host_updates}
 
     def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
-        self._specs = dict(inputs)
         host_inputs = [name for name, spec in inputs.items() if spec.host]
         mapping = self.options.extra.get("host_update")
         if mapping is None:
@@ -82,13 +81,13 @@ class NpuFullGraphBackend(FullGraphBackend):
                 "host-side inputs need NPUGraph.update, and this torch-npu's torch.npu.graph has no "
                 "auto_dispatch_capture: upgrade torch-npu, or drop host=True inputs"
             )
-        self._host_updates = tuple(mapping.items())
+        self._host_updates = tuple((name, keyword, inputs[name]) for name, keyword in mapping.items())
 
     def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> _FullEntry:
         entry = super()._capture(key, forward_fn)
         if self._host_updates:
             records = self.platform.update_records(entry.graph)
-            keywords = {kw for _, kw in self._host_updates}
+            keywords = {kw for _, kw, _ in self._host_updates}
             updatable = records is None or any(keywords & rec for rec in records)
             if not updatable:
                 logger.warning(
@@ -108,16 +107,14 @@ class NpuFullGraphBackend(FullGraphBackend):
         """The ``cpu_update_input`` entry for a replay of ``key``: each host buffer's rows for the key
         (real rows, then the padding fill), as Python lists."""
         update: dict[str, Any] = {}
-        for name, keyword in self._host_updates:
+        for name, keyword, spec in self._host_updates:
             buf = static_inputs[name]
             if buf.device.type != "cpu":
                 raise ReplayError(
                     f"host-side input {name!r} is on {buf.device}; NPUGraph.update reads host memory "
                     "(declare it StaticInput(..., host=True))"
                 )
-            spec = self._specs.get(name)
-            rows = spec.rows(key.size(spec.axis)) if spec is not None else key.tokens
-            update[keyword] = buf[:rows].tolist()
+            update[keyword] = buf[: spec.rows(key.size(spec.axis))].tolist()
         return update
 
     def replay(self, key: GraphKey, static_inputs: Mapping[str, torch.Tensor]) -> Any:
