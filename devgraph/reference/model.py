@@ -12,7 +12,7 @@ from torch import nn
 from devgraph.reference.attention import PagedMetadata, paged_attention, sdpa_attention
 from devgraph.reference.config import ReferenceConfig
 
-__all__ = ["ReferenceModel", "RMSNorm", "DecoderLayer", "draw_weight", "rope_tables"]
+__all__ = ["ReferenceModel", "RMSNorm", "DecoderLayer", "draw_weight", "rope_tables", "rotate"]
 
 
 def draw_weight(
@@ -50,8 +50,9 @@ def rope_tables(config: ReferenceConfig, device: torch.device) -> tuple[torch.Te
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``x [N, heads, D]`` with ``cos``/``sin [N, 1, D/2]`` (float32)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on ``x [N, heads, D]`` with ``cos``/``sin [N, 1, D/2]`` (float32); the vision
+    encoder's 2-D rotary uses it too (row angles, then column angles, in ``cos``/``sin``)."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -114,7 +115,7 @@ class DecoderLayer(nn.Module):
         # and viewing each part makes inductor's view lowering guard on n > 1: a second compile for n = 1.)
         qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
         q, k, v = qkv.split(self.head_split, dim=1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         attn = self.attend(q, k, v, meta)
         hidden = hidden + F.linear(attn.reshape(n, -1), self.o_proj)
         gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)

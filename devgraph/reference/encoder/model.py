@@ -12,7 +12,7 @@ from devgraph.context import is_capturing
 from devgraph.errors import CaptureError, InputError
 from devgraph.reference.encoder.attention import image_sdpa, varlen_image_attention
 from devgraph.reference.encoder.config import VisionConfig
-from devgraph.reference.model import draw_weight
+from devgraph.reference.model import draw_weight, rotate
 
 __all__ = ["VisionBlock", "VisionEncoder", "rotate"]
 
@@ -27,13 +27,6 @@ def _layer_norm(size: int, eps: float, device: torch.device, dtype: torch.dtype)
     norm = nn.LayerNorm(size, eps=eps, device=device, dtype=dtype)
     norm.requires_grad_(False)
     return norm
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [S, heads, D]`` with ``cos``/``sin [S, 1, D/2]`` (float32)."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class VisionBlock(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 from devgraph.errors import ConfigError
 from devgraph.reference.attention import PagedMetadata
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, _rotate, rope_tables
+from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, rope_tables, rotate
 from devgraph.reference.tp.comm import TPComm
 
 __all__ = ["TPDecoderLayer", "TPReferenceModel"]
@@ -97,7 +97,7 @@ class TPDecoderLayer(DecoderLayer):
         # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
         qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
         q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         attn = self.attend(q, k, v, meta)
         hidden = hidden + self.comm.all_reduce(F.linear(attn.reshape(n, -1), self.o_proj))
         gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
