@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from devgraph.errors import ConfigError
 from devgraph.modes import shorten
@@ -46,8 +46,6 @@ MAX_SIZE_COUNT = 1024
 MIN_ROW_BYTES = 1024
 #: Static input buffers of the largest size may take at most this share of the free device memory.
 _FREE_MEMORY_SHARE = 2
-#: ``SizeSchedule`` answers ``bucket(n)`` from a table up to this size, by bisection beyond it.
-_TABLE_LIMIT = 8192
 
 
 def hard_max_size(phase: str) -> int:
@@ -145,14 +143,9 @@ def default_max_size(phase: str, free_bytes: int | None) -> int:
 
 @dataclass(frozen=True)
 class SizeSchedule:
-    """Captured sizes in ascending order and the bucket lookup over them.
-
-    ``bucket(n)`` runs on every step: a table answers it for schedules up to 8192, bisection (O(log n))
-    beyond, so a large ``max`` never builds a ``max + 1`` entry table.
-    """
+    """Captured sizes in ascending order and the bucket lookup over them (by bisection, O(log n))."""
 
     sizes: tuple[int, ...]
-    _table: tuple[int, ...] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         sizes = tuple(self.sizes)
@@ -167,10 +160,6 @@ class SizeSchedule:
         if any(a >= b for a, b in zip(sizes, sizes[1:], strict=False)):
             raise ConfigError(f"SizeSchedule sizes must be strictly ascending, got {shorten(sizes)}")
         object.__setattr__(self, "sizes", sizes)
-        table = None
-        if sizes[-1] <= _TABLE_LIMIT:
-            table = tuple([sizes[0]] + [sizes[bisect.bisect_left(sizes, n)] for n in range(1, sizes[-1] + 1)])
-        object.__setattr__(self, "_table", table)
 
     @property
     def max(self) -> int:
@@ -180,8 +169,6 @@ class SizeSchedule:
         """The smallest captured size >= ``n``, or ``None`` when ``n`` is past the largest."""
         if not 0 <= n <= self.sizes[-1]:
             return None
-        if self._table is not None:
-            return self._table[n]
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
     def __iter__(self) -> Iterator[int]:
