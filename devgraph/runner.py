@@ -180,6 +180,7 @@ class GraphRunner:
             captured=self._captured,
             has_shape=self.backend.has_shape,
             lazy=self.lazy,
+            failed=self._lazy.failed,
         ).key
         return key.tokens if key is not None else None
 

@@ -114,6 +114,7 @@ def test_a_failed_lazy_capture_raises_once_then_runs_eagerly_counted():
     torch.testing.assert_close(runner.run(x=torch.ones(20, 3)), torch.full((20, 3), 2.0))
     assert runner.stats()["eager_by_reason"]["not_captured"] == 1
     assert GraphKey(32) not in runner.keys
+    assert (runner.bucket(20), runner.bucket(10)) == (None, 16)  # bucket() agrees with run(): 32 runs eagerly
 
 
 def test_a_lazy_key_whose_layout_fails_is_released_not_left_half_captured():
