@@ -375,6 +375,46 @@ def test_break_ops_replay_exactly_in_any_size_order(mode):
 
 
 @pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
+def test_a_break_op_runs_outside_the_graph_pool_and_only_its_outputs_go_into_it(mode, monkeypatch):
+    """The op's temporaries stay out of the graph pool (a pool keeps whatever it ever held reserved while
+    its graphs live; an attention break op's gathered K/V made that 20x full's prefill memory on an H100):
+    the op runs on the ordinary allocator, then its outputs are copied into the pool."""
+    from devgraph.sim.platform import CpuSimPlatform
+
+    in_pool = [False]
+    events: list[tuple[str, bool]] = []
+
+    class Routing:
+        def __enter__(self) -> None:
+            in_pool[0] = True
+
+        def __exit__(self, *exc: object) -> None:
+            in_pool[0] = False
+
+    monkeypatch.setattr(CpuSimPlatform, "allocate_into", lambda self, pool: Routing())
+
+    @graph_break("devgraph_test::records_pool_routing")
+    def records_pool_routing(x: torch.Tensor) -> torch.Tensor:
+        events.append(("op", in_pool[0]))
+        return x * 3.0
+
+    runner = GraphRunner(
+        lambda x: records_pool_routing(x + 1.0) - 1.0,
+        phase="prefill",
+        inputs={"x": StaticInput(torch.float32, (4,))},
+        sizes=[2, 4],
+        device="cpu",
+        mode=mode,
+    )
+    with runner:
+        runner.capture()
+        assert events and all(not routed for _, routed in events), events
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(runner.run(x=x), (x + 1.0) * 3.0 - 1.0)
+        assert runner.verify(x=x).max_abs_diff == 0.0
+
+
+@pytest.mark.parametrize("mode", ["breakable", "tc_piecewise"])
 def test_reference_break_ops_replay_exactly_in_any_size_order(mode):
     model = _model("sdpa")
     with decode_runner(model, mode=mode, sizes=DECODE_SIZES) as runner:

@@ -18,6 +18,14 @@ from devgraph.strategies.plan import BreakCall, SegmentedPlan
 __all__ = ["BreakableBackend", "SegmentRecorder"]
 
 
+def _pool_copy(value: Any) -> Any:
+    """A copy of a tensor (same shape, dtype, device and, where dense, strides), allocated where the caller's
+    allocation context puts it (the graph pool inside ``allocate_into``); anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_like(value, memory_format=torch.preserve_format).copy_(value)
+
+
 class SegmentRecorder:
     """Builds a :class:`SegmentedPlan`: one graph capture open at a time, break calls between them."""
 
@@ -43,13 +51,19 @@ class SegmentRecorder:
     ) -> Any:
         """Run a break op eagerly (outside any graph) and record it for replay.
 
-        Its outputs are allocated in the graph pool and the plan keeps only weak aliases of its arguments
-        and outputs: once the forward no longer needs them, later segments (and other keys, captured into
-        the same pool) reuse that memory, as one full graph would. Replay runs segments and breaks in
-        capture order and one key at a time, so every alias is read before its memory is written again.
+        The op runs on the ordinary allocator, so its temporaries (an attention's gathered K/V, say) are
+        freed when it returns instead of staying reserved by the graph pool for as long as the graphs live.
+        Its outputs are then copied into the graph pool, and the plan keeps only weak aliases of its
+        arguments and outputs: once the forward no longer needs them, later segments (and other keys,
+        captured into the same pool) reuse that memory, as one full graph would. Replay runs segments and
+        breaks in capture order and one key at a time, so every alias is read before its memory is written
+        again; at replay the op's fresh outputs are copied into these pool tensors, as at capture.
         """
-        with capture_flag(False), self.platform.allocate_into(self.pool):
-            outputs = op.run_eager(args, kwargs) if isinstance(op, BreakOp) else op(*args, **kwargs)
+        with capture_flag(False):
+            fresh = op.run_eager(args, kwargs) if isinstance(op, BreakOp) else op(*args, **kwargs)
+        with self.platform.allocate_into(self.pool):
+            outputs = pytree.tree_map(_pool_copy, fresh)
+        del fresh
         weak = self._weakly
         self.steps.append(BreakCall(op, weak(args), weak(kwargs), weak(outputs)))
         return outputs
