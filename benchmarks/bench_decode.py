@@ -436,6 +436,71 @@ def add_one_break() -> Any:
     return _ADD_ONE
 
 
+def break_cost(dev: Device, n: int, iters: int) -> dict[str, Any]:
+    """devgraph's host cost per break: a forward of ``n`` (kernel, trivial break op) pairs captured by
+    ``full`` and by ``breakable``; ``iters`` calls per host-time sample."""
+    op = add_one_break()
+    hidden = 1024 if dev.cuda else 64
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(n):
+            x = op(x * 1.0)  # one kernel in the segment, then the break
+        return x * 1.0
+
+    inputs = {"x": StaticInput(torch.float32, (hidden,), fill=0.0)}
+    runners = {
+        mode: GraphRunner(
+            forward,
+            phase="decode",
+            inputs=inputs,
+            sizes=[1],
+            mode=mode,
+            device=dev.device,
+            progress=False,
+            output_axes=[TOKENS],
+        )
+        for mode in ("full", "breakable")
+    }
+    for runner in runners.values():
+        runner.capture()
+    x = torch.randn(1, hidden, device=dev.device)
+    expected = forward(x)
+    out: dict[str, Any] = {"breaks": n, "exact": {}}
+    host: dict[str, list[float]] = {m: [] for m in runners}
+    for _ in range(5):
+        for mode, runner in runners.items():
+            host[mode].append(host_us(dev, functools.partial(runner.run, x=x), iters))
+    for mode, runner in runners.items():
+        out["exact"][mode] = bool(torch.equal(runner.run(x=x), expected))
+        out[f"{mode}_run_us"] = round(statistics.median(host[mode]), 2)
+        out[f"{mode}_latency_ms"] = round(
+            statistics.median(dev.time_step(functools.partial(runner.run, x=x))[0] for _ in range(20)), 4
+        )
+    body = op.replay_fn()
+    y = torch.empty_like(x)
+    out["op_body_us"] = round(host_us(dev, lambda: body(x), iters), 2)
+    out["copy_us"] = round(host_us(dev, lambda: y.copy_(x), iters), 2)
+    if dev.cuda:  # what one more graph segment costs the host: a one-kernel graph's replay
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            z = x * 1.0
+        out["one_kernel_graph_replay_us"] = round(host_us(dev, graph.replay, iters), 2)
+        del z
+    out["per_break_us"] = round((out["breakable_run_us"] - out["full_run_us"]) / n, 2)
+    out["devgraph_per_break_us"] = round(out["per_break_us"] - out["op_body_us"], 2)
+    out["definition"] = (
+        f"forward = {n} x (one elementwise kernel, then a trivial break op x + 1) + one kernel, on a "
+        f"[1, {hidden}] float32 tensor; full captures it as one graph, breakable as {n + 1} segments and "
+        f"{n} breaks. per_break_us = (breakable run() host us - full run() host us) / {n}: what each "
+        "break adds to the host's step (one more segment launch, the op's function, copying its output "
+        "where the next segment reads it). devgraph_per_break_us = per_break_us - op_body_us (the op's "
+        "own function called directly). Host times: median of rounds, synchronized before each call."
+    )
+    for runner in runners.values():
+        runner.close()
+    return out
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, plan: Plan, report: Report, budget: Budget) -> None:
         self.args, self.plan, self.report, self.budget = args, plan, report, budget
@@ -682,70 +747,9 @@ class Bench:
             "CUDAGraph.replay() alone"
         )
         self.data["host_time"] = out
-        self.data["break_cost"] = self.break_cost(dev)
+        self.data["break_cost"] = break_cost(dev, self.plan.breaks, self.plan.host_iters)
 
-    def break_cost(self, dev: Device) -> dict[str, Any]:
-        op, n = add_one_break(), self.plan.breaks
-        hidden = 1024 if dev.cuda else 64
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            for _ in range(n):
-                x = op(x * 1.0)  # one kernel in the segment, then the break
-            return x * 1.0
-
-        inputs = {"x": StaticInput(torch.float32, (hidden,), fill=0.0)}
-        runners = {
-            mode: GraphRunner(
-                forward,
-                phase="decode",
-                inputs=inputs,
-                sizes=[1],
-                mode=mode,
-                device=dev.device,
-                progress=False,
-                output_axes=[TOKENS],
-            )
-            for mode in ("full", "breakable")
-        }
-        for runner in runners.values():
-            runner.capture()
-        x = torch.randn(1, hidden, device=dev.device)
-        expected = forward(x)
-        out: dict[str, Any] = {"breaks": n, "exact": {}}
-        host: dict[str, list[float]] = {m: [] for m in runners}
-        for _ in range(5):
-            for mode, runner in runners.items():
-                host[mode].append(host_us(dev, functools.partial(runner.run, x=x), self.plan.host_iters))
-        for mode, runner in runners.items():
-            out["exact"][mode] = bool(torch.equal(runner.run(x=x), expected))
-            out[f"{mode}_run_us"] = round(statistics.median(host[mode]), 2)
-            out[f"{mode}_latency_ms"] = round(
-                statistics.median(dev.time_step(functools.partial(runner.run, x=x))[0] for _ in range(20)), 4
-            )
-        body = op.replay_fn()
-        y = torch.empty_like(x)
-        out["op_body_us"] = round(host_us(dev, lambda: body(x), self.plan.host_iters), 2)
-        out["copy_us"] = round(host_us(dev, lambda: y.copy_(x), self.plan.host_iters), 2)
-        if dev.cuda:  # what one more graph segment costs the host: a one-kernel graph's replay
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                z = x * 1.0
-            out["one_kernel_graph_replay_us"] = round(host_us(dev, graph.replay, self.plan.host_iters), 2)
-            del z
-        out["per_break_us"] = round((out["breakable_run_us"] - out["full_run_us"]) / n, 2)
-        out["devgraph_per_break_us"] = round(out["per_break_us"] - out["op_body_us"], 2)
-        out["definition"] = (
-            f"forward = {n} x (one elementwise kernel, then a trivial break op x + 1) + one kernel, on a "
-            f"[1, {hidden}] float32 tensor; full captures it as one graph, breakable as {n + 1} segments and "
-            f"{n} breaks. per_break_us = (breakable run() host us - full run() host us) / {n}: what each "
-            "break adds to the host's step (one more segment launch, the op's function, copying its output "
-            "where the next segment reads it). devgraph_per_break_us = per_break_us - op_body_us (the op's "
-            "own function called directly). Host times: median of rounds, synchronized before each call."
-        )
-        for runner in runners.values():
-            runner.close()
-        return out
-
+    # -- warm-ups --------------------------------------------------------------------------------------------
     # -- warm-ups --------------------------------------------------------------------------------------------
     def warmups(self) -> None:
         s = self.setup
