@@ -436,10 +436,28 @@ def add_one_break() -> Any:
     return _ADD_ONE
 
 
+_ADD_ONE_INTO: Any = None
+
+
+def add_one_into_break() -> Any:
+    """The same op in the form that writes into an argument and returns nothing (registered once)."""
+    global _ADD_ONE_INTO
+    if _ADD_ONE_INTO is None:
+
+        def add_one_into(x, out):  # type: ignore[no-untyped-def]
+            torch.add(x, 1, out=out)
+
+        add_one_into.__annotations__ = {"x": torch.Tensor, "out": torch.Tensor, "return": None}
+        _ADD_ONE_INTO = graph_break("devgraph_bench::add_one_into", mutates_args=("out",))(add_one_into)
+    return _ADD_ONE_INTO
+
+
 def break_cost(dev: Device, n: int, iters: int) -> dict[str, Any]:
     """devgraph's host cost per break: a forward of ``n`` (kernel, trivial break op) pairs captured by
-    ``full`` and by ``breakable``; ``iters`` calls per host-time sample."""
-    op = add_one_break()
+    ``full`` and by ``breakable``; ``iters`` calls per host-time sample. Two forms of the op: one that
+    returns a new tensor (devgraph copies it where the next segment reads it) and one that writes into an
+    argument the segment allocated (``mutates_args``; nothing to copy)."""
+    op, op_into = add_one_break(), add_one_into_break()
     hidden = 1024 if dev.cuda else 64
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -447,10 +465,18 @@ def break_cost(dev: Device, n: int, iters: int) -> dict[str, Any]:
             x = op(x * 1.0)  # one kernel in the segment, then the break
         return x * 1.0
 
+    def forward_into(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(n):
+            y = x * 1.0
+            x = torch.empty_like(y)  # allocated by the segment (no kernel): the op writes here
+            op_into(y, x)
+        return x * 1.0
+
     inputs = {"x": StaticInput(torch.float32, (hidden,), fill=0.0)}
+    forwards = {"": forward, "_into": forward_into}
     runners = {
-        mode: GraphRunner(
-            forward,
+        mode + form: GraphRunner(
+            fn,
             phase="decode",
             inputs=inputs,
             sizes=[1],
@@ -459,6 +485,7 @@ def break_cost(dev: Device, n: int, iters: int) -> dict[str, Any]:
             progress=False,
             output_axes=[TOKENS],
         )
+        for form, fn in forwards.items()
         for mode in ("full", "breakable")
     }
     for runner in runners.values():
@@ -476,9 +503,10 @@ def break_cost(dev: Device, n: int, iters: int) -> dict[str, Any]:
         out[f"{mode}_latency_ms"] = round(
             statistics.median(dev.time_step(functools.partial(runner.run, x=x))[0] for _ in range(20)), 4
         )
-    body = op.replay_fn()
+    body, body_into = op.replay_fn(), op_into.replay_fn()
     y = torch.empty_like(x)
     out["op_body_us"] = round(host_us(dev, lambda: body(x), iters), 2)
+    out["op_into_body_us"] = round(host_us(dev, lambda: body_into(x, y), iters), 2)
     out["copy_us"] = round(host_us(dev, lambda: y.copy_(x), iters), 2)
     if dev.cuda:  # what one more graph segment costs the host: a one-kernel graph's replay
         graph = torch.cuda.CUDAGraph()
@@ -488,13 +516,17 @@ def break_cost(dev: Device, n: int, iters: int) -> dict[str, Any]:
         del z
     out["per_break_us"] = round((out["breakable_run_us"] - out["full_run_us"]) / n, 2)
     out["devgraph_per_break_us"] = round(out["per_break_us"] - out["op_body_us"], 2)
+    out["per_break_into_us"] = round((out["breakable_into_run_us"] - out["full_into_run_us"]) / n, 2)
+    out["devgraph_per_break_into_us"] = round(out["per_break_into_us"] - out["op_into_body_us"], 2)
     out["definition"] = (
         f"forward = {n} x (one elementwise kernel, then a trivial break op x + 1) + one kernel, on a "
         f"[1, {hidden}] float32 tensor; full captures it as one graph, breakable as {n + 1} segments and "
         f"{n} breaks. per_break_us = (breakable run() host us - full run() host us) / {n}: what each "
         "break adds to the host's step (one more segment launch, the op's function, copying its output "
         "where the next segment reads it). devgraph_per_break_us = per_break_us - op_body_us (the op's "
-        "own function called directly). Host times: median of rounds, synchronized before each call."
+        "own function called directly). The _into figures: the same with the op writing into an "
+        "argument the segment allocated and returning nothing (mutates_args), so there is no output to copy. "
+        "Host times: median of rounds, synchronized before each call."
     )
     for runner in runners.values():
         runner.close()
@@ -1054,14 +1086,15 @@ def compute_targets(data: dict[str, Any], plan: Plan) -> list[Target]:
             detail=f"run() {run_us} us, hand step {hand_us} us, bare replay {host.get('graph_replay_us')} us",
         )
     )
-    targets.append(
-        Target(
-            "devgraph host time per break",
-            data.get("break_cost", {}).get("devgraph_per_break_us"),
-            5.0,
-            " us",
+    for key, form in (("devgraph_per_break_us", "new tensor"), ("devgraph_per_break_into_us", "into an arg")):
+        targets.append(
+            Target(
+                f"devgraph host time per break (op returns {form})",
+                data.get("break_cost", {}).get(key),
+                5.0,
+                " us",
+            )
         )
-    )
     warm = data.get("warmups", {}).get("this_process", {})
     for w in plan.warmups:
         f, h = warm.get(f"full@{w}", {}).get("capture_s"), warm.get(f"hand@{w}", {}).get("capture_s")

@@ -16,6 +16,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from bench_common import Device, Report, Target, environment, host_us, output_path, targets_table
@@ -47,29 +48,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats.append(row)
             print(
                 f"repeat {i}: per break {row['per_break_us']} us, devgraph's own "
-                f"{row['devgraph_per_break_us']} us, op body {row['op_body_us']} us, "
+                f"{row['devgraph_per_break_us']} us (op writing into an argument: "
+                f"{row['devgraph_per_break_into_us']} us), op body {row['op_body_us']} us, "
                 f"bare launch {row['bare_launch_us']} us, exact {row['exact']}"
             )
-    own = [r["devgraph_per_break_us"] for r in repeats]
-    summary = {
-        "devgraph_per_break_us_median": round(statistics.median(own), 2),
-        "devgraph_per_break_us_min": min(own),
-        "devgraph_per_break_us_max": max(own),
+    summary: dict[str, Any] = {
         "bare_launch_us_median": round(statistics.median(r["bare_launch_us"] for r in repeats), 2),
         "exact": all(all(r["exact"].values()) for r in repeats),
     }
-    target = Target(
-        "devgraph host time per break (median of repeats)",
-        summary["devgraph_per_break_us_median"],
-        5.0,
-        " us",
-        detail=f"range {summary['devgraph_per_break_us_min']}..{summary['devgraph_per_break_us_max']} us",
-    )
+    targets = []
+    for key, form in (
+        ("devgraph_per_break_us", "op returns a new tensor"),
+        ("devgraph_per_break_into_us", "op writes into an argument"),
+    ):
+        values = [r[key] for r in repeats]
+        summary[key] = {"median": round(statistics.median(values), 2), "min": min(values), "max": max(values)}
+        targets.append(
+            Target(
+                f"devgraph host time per break, {form} (median of repeats)",
+                summary[key]["median"],
+                5.0,
+                " us",
+                detail=f"range {min(values)}..{max(values)} us",
+            )
+        )
     report.data.update(repeats=repeats, summary=summary, definition=repeats[0]["definition"])
-    report.data["targets"] = [target.as_dict()]
+    report.data["targets"] = [t.as_dict() for t in targets]
     report.save()
     print(f"\nwrote {path}\n")
-    print(targets_table([target]))
+    print(targets_table(targets))
     return 0 if summary["exact"] else 1
 
 
