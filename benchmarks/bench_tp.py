@@ -297,6 +297,26 @@ def meta(args: argparse.Namespace, dev: Device) -> dict[str, Any]:
     return info
 
 
+def plot(results: Mapping[str, Any], path: str) -> None:
+    """Latency per batch for each variant, one panel per preset (log scale: eager is 10x the graphs)."""
+    from pathlib import Path
+
+    from bench_common import Panel, plot_panels
+
+    panels = []
+    for name, preset in results.get("presets", {}).items():
+        latency = preset.get("latency_ms", {})
+        batches = list(latency)
+        variants = list(dict.fromkeys(v for per in latency.values() for v in per))
+        series = {v: [latency[b].get(v) for b in batches] for v in variants}
+        panels.append(Panel(f"{name}, TP=2 decode", batches, series, xlabel="batch"))
+    meta = results.get("meta", {})
+    title = (
+        f"tensor-parallel decode, {meta.get('world_size')} x {meta.get('device')}, torch {meta.get('torch')}"
+    )
+    plot_panels(Path(path), panels, title)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -308,7 +328,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--time-budget", type=float, default=200.0, help="seconds; later presets are skipped")
     parser.add_argument("--smoke", action="store_true", help="CPU: gloo, tiny model, simulated graphs")
+    parser.add_argument(
+        "--plot-from", metavar="JSON", help="only draw the PNG of a recorded run (no torchrun)"
+    )
     args = parser.parse_args(argv)
+    if args.plot_from:
+        target = args.plot_from.removesuffix(".json") + ".png"
+        with open(args.plot_from) as fh:
+            plot(json.load(fh), target)
+        print(f"wrote {target}")
+        return 0
     args.iters = args.iters or (10 if args.smoke else 100)
     start = time.perf_counter()
     rank = int(os.environ["RANK"])
@@ -338,6 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0 and args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)
+        try:
+            plot(results, args.out.removesuffix(".json") + ".png")
+        except Exception as exc:  # the JSON is what matters; say why the picture is missing
+            say(f"plot failed: {type(exc).__name__}: {exc}")
     say(json.dumps({k: v.get("targets") for k, v in results["presets"].items()}, indent=1))
     ranks.destroy_process_group()
     return 0 if not results["errors"] else 1
