@@ -19,11 +19,9 @@ __all__ = ["BreakableBackend", "SegmentRecorder"]
 
 
 def _pool_copy(value: Any) -> Any:
-    """A copy of a tensor (same shape, dtype, device and, where dense, strides), allocated where the caller's
-    allocation context puts it (the graph pool inside ``allocate_into``); anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return torch.empty_like(value, memory_format=torch.preserve_format).copy_(value)
+    """A copy of a tensor (same shape, dtype, device, layout and, where dense, strides), allocated where the
+    caller's allocation context puts it (the graph pool inside ``allocate_into``); anything else as it is."""
+    return value.clone(memory_format=torch.preserve_format) if isinstance(value, torch.Tensor) else value
 
 
 class SegmentRecorder:
