@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from devgraph.outputs import copy_tree, flatten
+from devgraph.outputs import flatten
 
-__all__ = ["max_abs_diff", "max_abs", "clone_tree", "tensor_leaves"]
+__all__ = ["max_abs_diff", "max_abs", "tensor_leaves"]
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -51,8 +51,3 @@ def max_abs(a: Any) -> float:
             if finite.numel():
                 values.append(finite.max().item())
     return max(values, default=0.0)
-
-
-def clone_tree(a: Any) -> Any:
-    """A detached copy of every tensor in a pytree (graph outputs are overwritten by the next replay)."""
-    return copy_tree(a)
