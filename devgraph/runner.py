@@ -173,15 +173,7 @@ class GraphRunner:
             return None
         counts = {"tokens": n, **{a: 1 for a in self.schedule.axis_names}}
         variant = {name: values[0] for name, values in self.schedule.variants.items()}
-        key = self._dispatcher.decide(
-            counts,
-            variant,
-            uses_graphs=self.backend.uses_graphs,
-            captured=self._captured,
-            has_shape=self.backend.has_shape,
-            lazy=self.lazy,
-            failed=self._lazy.failed,
-        ).key
+        key = self._route(counts, variant).key  # no per-step context here, so no backend veto
         return key.tokens if key is not None else None
 
     # -- capture ------------------------------------------------------------------------------------
@@ -292,17 +284,30 @@ class GraphRunner:
 
     def _decide(self, step: Step, variant: Mapping[str, Any], context: Any) -> Decision:
         backend = self.backend
+        can_run = (
+            (lambda key: backend.can_run(Batch(step.n, key, step.counts, context)))
+            if self._check_can_run
+            else None
+        )
+        return self._route(step.counts, variant, can_run)
+
+    def _route(
+        self,
+        counts: Mapping[str, int],
+        variant: Mapping[str, Any],
+        can_run: Callable[[GraphKey], bool] | None = None,
+    ) -> Decision:
+        """The dispatcher's decision for ``counts`` given this runner's state (captured and failed keys)."""
+        backend = self.backend
         return self._dispatcher.decide(
-            step.counts,
+            counts,
             variant,
             uses_graphs=backend.uses_graphs,
             captured=self._captured,
             has_shape=backend.has_shape,
             lazy=self.lazy,
             failed=self._lazy.failed,
-            can_run=(lambda key: backend.can_run(Batch(step.n, key, step.counts, context)))
-            if self._check_can_run
-            else None,
+            can_run=can_run,
         )
 
     def _step(
