@@ -32,8 +32,8 @@ from typing import Any, cast
 
 import torch
 
-from devgraph.inputs import EDGE, StaticInput
-from devgraph.keys import TOKENS
+from devgraph.contract.inputs import EDGE, StaticInput
+from devgraph.contract.keys import TOKENS
 from devgraph.reference import ReferenceConfig, ReferenceModel, make_decode_batch, make_prefill_batch
 
 log = logging.getLogger("bench")
@@ -386,7 +386,7 @@ class HandGraphs:
             self.graphs[key], self.outputs[key] = graph, out
 
     def _capture_sim(self) -> None:
-        from devgraph.sim.platform import CpuSimPlatform
+        from devgraph.platforms.sim.platform import CpuSimPlatform
 
         sim = CpuSimPlatform()
         pool = sim.graph_pool_handle()

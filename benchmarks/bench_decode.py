@@ -79,7 +79,7 @@ from bench_common import (
 )
 
 from devgraph import GraphRunner, StaticInput, forward_context, graph_break
-from devgraph.keys import TOKENS
+from devgraph.contract.keys import TOKENS
 from devgraph.reference import (
     ReferenceConfig,
     ReferenceModel,

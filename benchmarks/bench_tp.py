@@ -131,7 +131,7 @@ class HandGraphs:
             self.graphs[size] = graph
 
     def _capture_sim(self) -> None:
-        from devgraph.sim.platform import CpuSimPlatform
+        from devgraph.platforms.sim.platform import CpuSimPlatform
 
         sim = CpuSimPlatform()
         pool = sim.graph_pool_handle()

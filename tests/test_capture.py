@@ -10,8 +10,8 @@ import torch
 
 import devgraph
 from devgraph import CaptureError, GraphRunner, StaticInput, is_capturing
-from devgraph.advice import diagnose
-from devgraph.keys import GraphKey
+from devgraph.contract.keys import GraphKey
+from devgraph.runner.capture.advice import diagnose
 
 SIZES = [1, 2, 4]
 INPUTS = {"x": StaticInput(torch.float32, (3,), fill=0.0)}
@@ -162,7 +162,7 @@ def test_a_library_handle_created_inside_capture_gets_warm_up_advice():
 def test_cuda_platform_leaves_the_cublas_handle_failure_to_the_advice_table_so_it_is_advised_once():
     from types import SimpleNamespace
 
-    from devgraph.capture import capture_failure
+    from devgraph.runner.capture.loop import capture_failure
 
     platform = pytest.importorskip("devgraph_cuda.platform").CudaPlatform()
     error = RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`")

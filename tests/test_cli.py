@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from devgraph._info import collect_info
-from devgraph.cli import build_parser, check_demo_args, main
+from devgraph.cli.info import collect_info
+from devgraph.cli.main import build_parser, check_demo_args, main
 from devgraph.errors import DevGraphError
 
 
@@ -90,7 +90,7 @@ def no_run(monkeypatch):
     def run_demo(args):
         raise AssertionError("the demo ran although an argument was bad")
 
-    monkeypatch.setattr("devgraph._demo.run_demo", run_demo)
+    monkeypatch.setattr("devgraph.cli.demo.run_demo", run_demo)
 
 
 def _usage_error(capsys, argv: list[str]) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from devgraph import GraphRunner, RecompileError, StaticInput
-from devgraph.backend import BackendOptions
+from devgraph.contract.backend import BackendOptions
 from devgraph.strategies import TcPiecewiseBackend
 
 INPUTS = {"x": StaticInput(torch.float32, (3,), fill=0.0)}

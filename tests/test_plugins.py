@@ -18,12 +18,12 @@ from conftest import write_distribution
 
 import devgraph
 from devgraph import DeviceGraphConfig, RegistrationError, create_backend, register_backend
-from devgraph._info import collect_info
-from devgraph.factory import best_platform, resolve_phase, resolve_platform
-from devgraph.platform import GraphPlatform
-from devgraph.plugins import Registry, get_registry
-from devgraph.rules import CompatibilityRule
-from devgraph.sim.platform import CpuSimPlatform
+from devgraph.cli.info import collect_info
+from devgraph.contract.platform import GraphPlatform
+from devgraph.flag.factory import best_platform, resolve_phase, resolve_platform
+from devgraph.platforms.sim.platform import CpuSimPlatform
+from devgraph.registry.plugins import Registry, get_registry
+from devgraph.registry.rules import CompatibilityRule
 from devgraph.strategies import FullGraphBackend
 
 TOY_PLUGIN = """
@@ -206,7 +206,7 @@ def test_duplicate_from_plugin_names_both_origins():
 
 def test_register_backend_as_call_and_decorator(monkeypatch):
     registry = Registry(entry_points=False).load()
-    monkeypatch.setattr("devgraph.plugins._registry", registry)
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
 
     class CallStyle(FullGraphBackend):
         pass
@@ -474,7 +474,7 @@ def test_register_backend_called_while_the_registry_loads(monkeypatch):
         return plugin()
 
     registry = Registry(entry_points=lambda: [FakeEntryPoint("eager_import", load, "devgraph-ei")])
-    monkeypatch.setattr("devgraph.plugins._registry", registry)
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
     assert ("cpu", "import_time") in get_registry().backends
     assert record(registry, "eager_import").provides == ["backend cpu:import_time"]
 
@@ -511,7 +511,7 @@ def test_many_threads_asking_a_fresh_registry_at_once(monkeypatch):
         return [FakeEntryPoint("slow", slow_load, "devgraph-slow")]
 
     registry = Registry(entry_points=entry_points)
-    monkeypatch.setattr("devgraph.plugins._registry", registry)
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
     start = threading.Barrier(12)
     results: list[Any] = []
 

@@ -162,7 +162,7 @@ needs_prometheus = pytest.mark.skipif(
 def test_prometheus_collector_exposes_the_counters():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from devgraph.metrics import register_runners
+    from devgraph.runner.metrics import register_runners
 
     runner = scripted_runner()
     registry = CollectorRegistry()
@@ -189,7 +189,7 @@ def test_prometheus_collector_exposes_the_counters():
 def test_prometheus_collector_labels_each_runner():
     from prometheus_client import CollectorRegistry
 
-    from devgraph.metrics import register_runners
+    from devgraph.runner.metrics import register_runners
 
     decode = GraphRunner(
         forward,
@@ -233,7 +233,7 @@ def test_prometheus_collector_labels_each_runner():
 
 def test_metrics_without_prometheus_client_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if not installed
-    from devgraph.metrics import RunnerCollector, register_runners
+    from devgraph.runner.metrics import RunnerCollector, register_runners
 
     with pytest.raises(BackendUnavailableError, match="pip install prometheus-client"):
         register_runners()

@@ -7,10 +7,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import shorten
+from devgraph.contract.platform import GraphPlatform, describe_error
 from devgraph.errors import CaptureError
-from devgraph.keys import GraphKey
-from devgraph.modes import shorten
-from devgraph.platform import GraphPlatform, describe_error
 from devgraph.ranks.group import (
     RANK_TIMEOUT_ENV,
     PeerLost,

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from devgraph.contract.platform import GraphPlatform, describe_error
 from devgraph.errors import ConfigError
-from devgraph.platform import GraphPlatform, describe_error
 
 logger = logging.getLogger("devgraph.ranks")
 

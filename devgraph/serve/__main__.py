@@ -1,5 +1,5 @@
 """``python -m devgraph.serve [flags]``: run the server (``bench [flags]``: the load generator)."""
 
-from devgraph._serve_cli import serve_main
+from devgraph.serve.cli import serve_main
 
 raise SystemExit(serve_main())

@@ -1,4 +1,5 @@
-"""Device-neutral graph strategies, each a :class:`~devgraph.backend.DeviceGraphBackend` over a platform."""
+"""Device-neutral graph strategies, each a :class:`~devgraph.contract.backend.DeviceGraphBackend` over a
+platform."""
 
 from devgraph.strategies.breakable import BreakableBackend
 from devgraph.strategies.eager import EagerBackend

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.breaks import BreakOp, break_handler
-from devgraph.context import capture_flag
-from devgraph.keys import GraphKey
-from devgraph.platform import DeviceGraph, GraphPlatform
+from devgraph.contract.breaks import BreakOp, break_handler
+from devgraph.contract.context import capture_flag
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.plan import BreakCall, SegmentedPlan
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from devgraph.contract.modes import Compiler, shorten
+from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.errors import CaptureError, ConfigError, RecompileError
-from devgraph.modes import Compiler, shorten
-from devgraph.platform import Availability, GraphPlatform
 
 __all__ = [
     "CompileSession",

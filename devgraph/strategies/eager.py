@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from devgraph.backend import Batch, DeviceGraphBackend
+from devgraph.contract.backend import Batch, DeviceGraphBackend
+from devgraph.contract.keys import GraphKey
 from devgraph.errors import ReplayError
-from devgraph.keys import GraphKey
 
 __all__ = ["EagerBackend"]
 

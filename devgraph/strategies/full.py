@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from devgraph.context import capture_flag
+from devgraph.contract.context import capture_flag
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import Compiler
+from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import BackendUnavailableError
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
-from devgraph.modes import Compiler
-from devgraph.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.compiling import (
     CompileSession,

@@ -16,11 +16,11 @@ from typing import Any, cast
 
 import torch
 
-from devgraph.breaks import is_break_target
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
-from devgraph.modes import Compiler
-from devgraph.platform import Availability, GraphPlatform
+from devgraph.contract.breaks import is_break_target
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import Compiler
+from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.breakable import SegmentRecorder
 from devgraph.strategies.compiling import (

@@ -11,15 +11,15 @@ from typing import Any, Literal
 
 import torch
 
-from devgraph._trees import max_abs, max_abs_diff
-from devgraph.backend import BackendOptions, DeviceGraphBackend
+from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.phases import PHASES
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import BackendUnavailableError, CaptureError, ConfigError, RecompileError, ReplayError
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
-from devgraph.phases import PHASES
-from devgraph.platform import GraphPlatform
-from devgraph.plugins import BackendSpec, Registry, get_registry
-from devgraph.runner import GraphRunner
+from devgraph.registry.plugins import BackendSpec, Registry, get_registry
+from devgraph.runner.graph_runner import GraphRunner
+from devgraph.runner.outputs.trees import max_abs, max_abs_diff
 from devgraph.testing._report import CheckResult, ConformanceFailure, ConformanceReport, Status
 
 __all__ = [

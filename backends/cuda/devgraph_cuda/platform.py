@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from devgraph.contract.platform import Availability
 from devgraph.errors import CaptureError
-from devgraph.platform import Availability
-from devgraph.torch_cuda_api import TorchCudaGraphPlatform
+from devgraph.platforms.torch_cuda import TorchCudaGraphPlatform
 
 __all__ = ["CudaPlatform"]
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
 from devgraph.errors import ConfigError, ReplayError
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
 from devgraph.strategies import FullGraphBackend
 from devgraph.strategies.full import _FullEntry
 

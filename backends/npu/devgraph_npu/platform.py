@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError
-from devgraph.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph_npu import _torch_npu as api
 
 __all__ = ["NpuPlatform", "STREAM_EXHAUSTION", "translate_ascend_error"]

@@ -1,8 +1,9 @@
 """The ROCm platform: HIP graphs on AMD GPUs, through ``torch.cuda`` on a ROCm build of torch.
 
 ROCm builds of torch expose AMD GPUs as device type ``cuda`` and HIP graphs through the same
-``torch.cuda.CUDAGraph`` API, so this platform is :class:`~devgraph.torch_cuda_api.TorchCudaGraphPlatform`
-with ROCm detection (``torch.version.hip``) and ROCm-specific advice.
+``torch.cuda.CUDAGraph`` API, so this platform is
+:class:`~devgraph.platforms.torch_cuda.TorchCudaGraphPlatform` with ROCm detection (``torch.version.hip``)
+and ROCm-specific advice.
 
 Test hook: with ``DEVGRAPH_ROCM_ON_CUDA=1`` the platform also accepts a CUDA build on an NVIDIA GPU, so the
 conformance kit can run the HIP backend classes where torch's graph API is the same. Only the kit's
@@ -17,9 +18,9 @@ from typing import ClassVar
 
 import torch
 
+from devgraph.contract.platform import Availability
 from devgraph.errors import CaptureError
-from devgraph.platform import Availability
-from devgraph.torch_cuda_api import TorchCudaGraphPlatform
+from devgraph.platforms.torch_cuda import TorchCudaGraphPlatform
 
 __all__ = ["RocmPlatform", "ROCM_ON_CUDA_ENV", "rocm_on_cuda"]
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from devgraph.contract.modes import shorten
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
 from devgraph.integrations.hf.lib import transformers
 from devgraph.integrations.hf.patching import (
@@ -45,8 +47,6 @@ from devgraph.integrations.hf.regions import (
     rope,
     swiglu,
 )
-from devgraph.modes import shorten
-from devgraph.platform import GraphPlatform
 
 __all__ = ["MIN_WINDOW", "FastPath", "DecodeRegions", "resolve_windows"]
 

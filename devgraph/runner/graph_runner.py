@@ -1,0 +1,442 @@
+"""``GraphRunner``: capture a phase's forward at start-up (or on first sight), replay it on every step.
+
+The runner assembles the pieces: :mod:`~devgraph.runner.staging` validates and pads inputs, the
+:mod:`~devgraph.runner.dispatch` dispatcher decides graph or eager and which key, the backend captures and
+replays, :mod:`~devgraph.runner.outputs.layout` hands the same structure back on every path,
+:mod:`~devgraph.runner.stats` counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from devgraph.contract.backend import Batch, DeviceGraphBackend
+from devgraph.contract.context import forward_context
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import REQUESTS, GraphKey
+from devgraph.contract.modes import shorten
+from devgraph.contract.phases import Phase
+from devgraph.errors import ConfigError, InputError
+from devgraph.flag.config import DeviceGraphConfig
+from devgraph.ranks import CaptureSync, check_lockstep, rank_of, release_backend, track_runner
+from devgraph.runner.capture.lazy import LazyGraphs, LazyPolicy
+from devgraph.runner.capture.loop import (
+    CaptureJob,
+    CaptureReport,
+    KeyReport,
+    capture_keys,
+    frozen_gc,
+    show_progress,
+)
+from devgraph.runner.dispatch import Decision, Dispatcher
+from devgraph.runner.inspection import describe_runner
+from devgraph.runner.outputs.layout import OutputLayout, check_output_axes, copy_into_out, copy_tree
+from devgraph.runner.plan import (
+    check_inputs,
+    probe_layout,
+    resolve_backend,
+    runner_device,
+    schedule_for,
+    warmup_count,
+)
+from devgraph.runner.schedule import AxisSizes
+from devgraph.runner.staging import StaticBuffers, Step, StepValidator
+from devgraph.runner.state import as_state
+from devgraph.runner.stats import RunnerStats
+from devgraph.runner.verify import VerifyResult, compare
+
+__all__ = ["GraphRunner"]
+
+logger = logging.getLogger("devgraph.runner")
+
+#: Keywords of run() and verify(): an input may not use these names.
+RESERVED_NAMES = frozenset({"n", "context", "counts", "variant", "copy", "out", "rtol", "self"})
+
+
+class GraphRunner:
+    """Captures ``forward`` for a phase at a set of keys and replays it, padding each step up to a key.
+
+    ``forward(**inputs, **variant)`` takes one tensor per declared :class:`StaticInput` (rows follow the
+    input's axis: the step's token count, or its request count, ...) and returns any pytree of tensors;
+    model state (weights, KV cache) is reached through the closure. Choose the backend with ``mode`` (a
+    strategy name) or ``config`` (a parsed ``--device-graph-mode``). See docs/user-guide.md.
+
+    Thread safety: ``run``, ``verify``, ``capture`` and ``close`` hold one lock, so steps from several
+    threads never interleave. What ``run`` returns is valid until the next ``run`` from any thread: threads
+    sharing a runner pass ``copy=True`` (or ``out=``).
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        *,
+        phase: str,
+        inputs: Mapping[str, StaticInput],
+        sizes: Sequence[int] | None = None,
+        max_size: int | None = None,
+        device: torch.device | str | None = None,
+        mode: str | None = None,
+        config: DeviceGraphConfig | str | None = None,
+        compiler: str | None = None,
+        features: Mapping[str, Any] | None = None,
+        warmup_iters: int | None = None,
+        capture_context: Callable[[GraphKey], Any] | None = None,
+        process_group: Any = None,
+        progress: bool | None = None,
+        backend: DeviceGraphBackend | None = None,
+        axes: Mapping[str, AxisSizes] | None = None,
+        tokens_per_request: int | None = None,
+        variants: Mapping[str, Sequence[Hashable]] | None = None,
+        state: Any = None,
+        output_axes: Sequence[str | None] | Mapping[str, str | None] | None = None,
+        lazy: bool | None = None,
+        max_graphs: int | None = None,
+        max_graph_bytes: int | None = None,
+        capture_hook: Callable[[], Any] | None = None,
+        check_lockstep: bool = False,
+    ) -> None:
+        if not callable(forward):
+            raise ConfigError(f"GraphRunner forward must be callable, got {shorten(forward)}")
+        self.forward = forward
+        self.phase: str = Phase.parse(phase).value
+        self.input_specs: dict[str, StaticInput] = check_inputs(self.phase, inputs, RESERVED_NAMES)
+        self.capture_context = capture_context
+        self.process_group = process_group
+        self.progress = progress
+        self.capture_hook = capture_hook
+        # Ranks of a tensor-parallel group must replay the same key each step (one small all-gather; tests).
+        self.check_lockstep = check_lockstep
+
+        self.config, self.resolved, backend = resolve_backend(
+            self.phase, device, mode, config, compiler, features, backend
+        )
+        phase_config = self.resolved.config
+        self.backend: DeviceGraphBackend = backend
+        self.platform = backend.platform
+        self.device = runner_device(device, self.platform)
+
+        self.schedule = schedule_for(self, phase_config, sizes, max_size, axes, tokens_per_request, variants)
+        self.tokens_per_request = self.schedule.tokens_per_request
+        self._dispatcher = Dispatcher(self.schedule)
+        self._validator = StepValidator(
+            self.phase, self.input_specs, self.device, self.tokens_per_request, self.schedule.variants
+        )
+        self._buffers = StaticBuffers(self.input_specs, self.schedule.max_rows(), self.device)
+        # Decode's request count is its token count: an output following either is cut the same way.
+        linked = frozenset({REQUESTS}) if self.tokens_per_request == 1 else frozenset()
+        self._layout = OutputLayout(check_output_axes(output_axes), same_as_tokens=linked)
+        self._state = as_state(state)
+        self.warmup_iters = warmup_count(phase_config.warmup_iters, warmup_iters, self.platform)
+        self.lazy = bool(phase_config.lazy if phase_config.lazy is not None else lazy)
+        self._stats = RunnerStats()
+        self._lazy = LazyGraphs(
+            LazyPolicy(
+                phase_config.max_graphs if phase_config.max_graphs is not None else max_graphs,
+                phase_config.max_graph_bytes if phase_config.max_graph_bytes is not None else max_graph_bytes,
+            ),
+            self._stats,
+            has_graph=backend.has_shape,
+            capture=lambda key: self._capture([key], collect=False)[0].bytes,
+            release=self._release_key,
+        )
+        self._lock = threading.RLock()
+        self._closed = False
+        self._captured = False
+        self._key_reports: dict[GraphKey, KeyReport] = {}
+        self.report: CaptureReport | None = None
+        self._check_can_run = type(backend).can_run is not DeviceGraphBackend.can_run
+        backend.bind(self)  # first: a backend another runner owns is refused before anything is compiled
+        if backend.captured_keys():
+            # Graphs of an earlier owner that was dropped without close(): they read its buffers, not ours.
+            logger.info("devgraph: releasing graphs a previous runner left in its %s backend", backend.name)
+            backend.cleanup()
+        self._graph_forward = backend.wrap_forward(forward)
+        track_runner(self, process_group)  # devgraph.ranks.destroy_process_group() closes it first
+
+    # -- properties ---------------------------------------------------------------------------------
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The token sizes this runner captures."""
+        return self.schedule.token_sizes
+
+    @property
+    def static_inputs(self) -> Mapping[str, torch.Tensor]:
+        """The full static buffers (as many rows as the largest key's axis)."""
+        return self._buffers.buffers
+
+    @property
+    def keys(self) -> list[GraphKey]:
+        """The keys holding a graph now."""
+        return sorted(self.backend.captured_keys(), key=GraphKey.sort_key)
+
+    def bucket(self, n: int) -> int | None:
+        """The token size a step of ``n`` tokens would replay now (``None``: it would run eagerly)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return None
+        counts = {"tokens": n, **{a: 1 for a in self.schedule.axis_names}}
+        variant = {name: values[0] for name, values in self.schedule.variants.items()}
+        key = self._route(counts, variant).key  # no per-step context here, so no backend veto
+        return key.tokens if key is not None else None
+
+    # -- capture ------------------------------------------------------------------------------------
+    def capture(self) -> CaptureReport:
+        """Capture every key, largest first, into one pool on one stream; returns the report.
+
+        Per key: ``warmup_iters`` eager runs on the capture stream, a barrier across ``process_group``, the
+        capture (which changes no older tensor, on a device as on the simulator). At most one more eager
+        run learns the output layout (``output_axes=`` skips it). Declared ``state`` is restored after.
+        A lazily capturing runner captures nothing here. On failure raises :class:`CaptureError` naming
+        the key and what to do, after releasing every graph. See docs/user-guide.md.
+        """
+        with self._lock:
+            self._check_open()
+            if self._captured:
+                return self.report or self._empty_report()
+            report = self._empty_report()
+            if self.backend.uses_graphs:
+                self.backend.prepare(self.input_specs, () if self.lazy else self.schedule.keys())
+                if not self.lazy:
+                    start = time.perf_counter()
+                    report.keys = self._capture(self.schedule.keys(), collect=True)
+                    report.seconds = time.perf_counter() - start
+                    if rank_of(self.process_group) == 0:  # one report per tensor-parallel group
+                        logger.info("%s", report.table())
+            self._captured = True
+            self.report = report
+            return report
+
+    def _empty_report(self) -> CaptureReport:
+        return CaptureReport(self.phase, self.backend.name, self.platform.name)
+
+    def _capture(self, keys: Sequence[GraphKey], *, collect: bool) -> list[KeyReport]:
+        # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
+        sync = CaptureSync(self.platform, self.process_group, self.phase, keys, self.backend)
+        job = CaptureJob(
+            phase=self.phase,
+            backend=self.backend,
+            platform=self.platform,
+            forward=self._graph_forward,
+            inputs_for=lambda key: {**self._buffers.views(key), **key.variant_dict},
+            warmup_iters=self.warmup_iters,
+            max_size=self.schedule.max_tokens,
+            capture_context=self.capture_context,
+            barrier=sync.barrier,
+            ready=sync.ready,
+            on_captured=self._layout.observe,
+            finish=self._learn_layout,
+            hook=self.capture_hook,
+            agree=sync.agree,
+            progress=show_progress(self.progress, rank_of(self.process_group)) and not self.lazy,
+            shared_pool=not self.lazy,
+        )
+        with self._state.preserved(), frozen_gc(collect):
+            self._buffers.reset()
+            try:
+                reports = capture_keys(job, keys)
+            except BaseException:
+                if self.lazy:
+                    for key in keys:  # this key only: graphs captured earlier keep serving
+                        self._layout.forget(key)
+                        if self.backend.has_shape(key):
+                            self.backend.release(key)
+                        self._lazy.failed.add(key)
+                else:
+                    self.backend.cleanup()
+                raise
+        reports.sort(key=lambda r: r.key.sort_key())
+        self._key_reports.update((r.key, r) for r in reports)
+        return reports
+
+    def _learn_layout(self, key: GraphKey) -> None:
+        if self._layout.axes is None:
+            probe_layout(self, key)
+            self._layout.finish()
+
+    # -- run ----------------------------------------------------------------------------------------
+    def run(
+        self,
+        n: int | None = None,
+        context: Any = None,
+        *,
+        counts: Mapping[str, int] | None = None,
+        variant: Mapping[str, Hashable] | None = None,
+        copy: bool = False,
+        out: Any = None,
+        **inputs: torch.Tensor,
+    ) -> Any:
+        """Run one step of ``n`` tokens (default: the rows of the first tokens-axis input).
+
+        Replays the graph of the smallest key that holds the step (each axis padded with its inputs'
+        fills) and returns outputs with row-major leaves cut to the real counts, else runs ``forward``
+        eagerly (before ``capture()``, past the largest key, a variant not captured, ``can_run`` said no,
+        or a mode without graphs) and counts why. Every path validates inputs the same way and never lets
+        the forward's in-place changes to inputs reach the caller. Returned tensors are valid until the
+        next ``run()`` of any thread; ``copy=True`` returns owned tensors, ``out=`` copies into the
+        caller's tensors (checked against the step's outputs once the step ran).
+        """
+        if copy and out is not None:
+            raise InputError("run() takes copy=True or out=, not both: out= already gives owned tensors")
+        with self._lock:
+            self._check_open()
+            step, chosen = self._validator.validate(n, counts, variant, inputs)
+            result = self._step(step, chosen, context, inputs, count=True)
+            if out is not None:
+                return copy_into_out(result, out)
+            return copy_tree(result) if copy else result
+
+    def _decide(self, step: Step, variant: Mapping[str, Any], context: Any) -> Decision:
+        backend = self.backend
+        can_run = (
+            (lambda key: backend.can_run(Batch(step.n, key, step.counts, context)))
+            if self._check_can_run
+            else None
+        )
+        return self._route(step.counts, variant, can_run)
+
+    def _route(
+        self,
+        counts: Mapping[str, int],
+        variant: Mapping[str, Any],
+        can_run: Callable[[GraphKey], bool] | None = None,
+    ) -> Decision:
+        """The dispatcher's decision for ``counts`` given this runner's state (captured and failed keys)."""
+        backend = self.backend
+        return self._dispatcher.decide(
+            counts,
+            variant,
+            uses_graphs=backend.uses_graphs,
+            captured=self._captured,
+            has_shape=backend.has_shape,
+            lazy=self.lazy,
+            failed=self._lazy.failed,
+            can_run=can_run,
+        )
+
+    def _step(
+        self,
+        step: Step,
+        variant: dict[str, Any],
+        context: Any,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        count: bool,
+    ) -> Any:
+        decision = self._decide(step, variant, context)
+        key = decision.key
+        if self.check_lockstep:
+            check_lockstep(self.process_group, key)
+        if key is None:
+            if count:
+                self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
+            return self._eager(context, variant, inputs)
+        if self.lazy:
+            self._lazy.lookup(key, count)
+        self._buffers.stage(step.counts, key, inputs)
+        with forward_context(context), self.backend.runtime_session():
+            raw = self.backend.replay(key, self._buffers.buffers)
+        if count:
+            self._stats.replayed(key, step.n)
+        return self._layout.slice(raw, step.counts, key)
+
+    def _eager(self, context: Any, variant: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> Any:
+        # The forward gets its own copies, as on the graph path: its in-place changes never reach the caller.
+        owned = {name: value.clone() for name, value in inputs.items()}
+        # The plain forward, never the compiled one: an eager step can never trigger a recompile.
+        with forward_context(context), torch.no_grad():
+            return self.forward(**owned, **variant)
+
+    def _release_key(self, key: GraphKey) -> None:
+        self.backend.release(key)
+        self._key_reports.pop(key, None)
+        self._layout.forget(key)
+
+    # -- checks -------------------------------------------------------------------------------------
+    def verify(
+        self,
+        n: int | None = None,
+        context: Any = None,
+        *,
+        rtol: float | None = None,
+        counts: Mapping[str, int] | None = None,
+        variant: Mapping[str, Hashable] | None = None,
+        **inputs: torch.Tensor,
+    ) -> VerifyResult:
+        """Run one step through the graph and eagerly on the same inputs; report the largest differences.
+
+        The forward runs 3 times on the graph path (replay, eager on the caller's rows, eager on the padded
+        buffers), twice on the eager path; declared ``state`` is restored before each run and after the
+        last. ``rtol`` bounds both differences relative to max |eager| (default 1e-4; 2e-2 for 16-bit
+        outputs). Not counted in :meth:`stats` steps.
+        """
+        with self._lock:
+            self._check_open()
+            step, chosen = self._validator.validate(n, counts, variant, inputs)
+            self._stats.verify_calls += 1
+            key = self._decide(step, chosen, context).key
+            with self._state.preserved() as restore:
+                graph = copy_tree(self._step(step, chosen, context, inputs, count=False))
+                restore()
+                unpadded = copy_tree(self._eager(context, chosen, inputs))
+                padded = unpadded
+                if key is not None:
+                    restore()
+                    self._buffers.stage(step.counts, key, inputs)
+                    with forward_context(context), torch.no_grad():
+                        raw = self._graph_forward(**self._buffers.views(key), **chosen)
+                    padded = copy_tree(self._layout.slice(raw, step.counts, key, replay=False))
+            return compare(step.n, key, graph, padded, unpadded, rtol)
+
+    # -- inspection ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Run-time counters as plain data: replays per key, eager steps by reason, padding waste."""
+        with self._lock:
+            return {"phase": self.phase, "backend": self.backend.name, **self._stats.as_dict()}
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats.reset()
+
+    def inspect(self) -> dict[str, Any]:
+        """What was set up and captured, as plain data (no private attributes needed)."""
+        with self._lock:
+            return describe_runner(self, self._key_reports, self._layout, self._state)
+
+    # -- teardown -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release graphs, their pool and the static buffers. Call before destroying the process group."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                release_backend(self.backend, self.process_group, self.platform)
+            finally:
+                self.backend.unbind(self)
+                self._buffers.clear()
+                self._lazy.clear()
+                self._key_reports.clear()
+                self._captured = False
+                self.report = None
+                self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"this {self.phase} runner was closed; build a new GraphRunner")
+
+    def __enter__(self) -> GraphRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"GraphRunner(phase={self.phase!r}, backend={self.backend.name!r}, "
+            f"platform={self.platform.name!r}, sizes={list(self.schedule.token_sizes)}, "
+            f"captured={self._captured})"
+        )
