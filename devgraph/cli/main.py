@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import BackendUnavailableError, ConfigError, DevGraphError
 from devgraph.flag.config import DeviceGraphConfig, device_graph_mode_type
 from devgraph.flag.factory import platform_availability, resolve_platform
 from devgraph.flag.sizes import check_size_list
+from devgraph.messages import shorten
 
 __all__ = ["build_parser", "check_demo_args", "main"]
 

@@ -12,8 +12,8 @@ from typing import Literal
 import torch
 
 from devgraph.contract.keys import TOKENS
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError
+from devgraph.messages import shorten
 
 __all__ = ["StaticInput", "Fill", "EDGE"]
 

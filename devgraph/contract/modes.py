@@ -17,7 +17,6 @@ __all__ = [
     "SPECIAL_MODES",
     "SpecialMode",
     "Strategy",
-    "shorten",
 ]
 
 
@@ -74,9 +73,3 @@ EAGER_MODES: tuple[str, ...] = (SpecialMode.EAGER.value, SpecialMode.DISABLED.va
 SPECIAL_MODES: tuple[str, ...] = tuple(m.value for m in SpecialMode)
 #: A mode name must survive the flag's grammar (``phase=MODE,phase=MODE``) and a shell unquoted.
 MODE_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]{0,63}")
-
-
-def shorten(value: object, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages that echo user input."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 14]}... ({len(text)} chars)"

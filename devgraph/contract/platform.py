@@ -14,10 +14,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import CaptureError
+from devgraph.messages import describe_error, shorten
 
-__all__ = ["Availability", "DeviceGraph", "GraphPlatform", "ask_availability", "describe_error"]
+__all__ = ["Availability", "DeviceGraph", "GraphPlatform", "ask_availability"]
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,6 @@ class Availability:
 
     def __bool__(self) -> bool:
         return self.usable
-
-
-def describe_error(exc: BaseException, limit: int = 200) -> str:
-    """``"RuntimeError: message"`` on one line, the message cut to ``limit`` characters (a plug-in's
-    exception text is not ours to print whole)."""
-    text = " ".join(str(exc).split())
-    if len(text) > limit:
-        text = f"{text[: limit - 3]}..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def ask_availability(ask: Callable[[], object]) -> Availability:

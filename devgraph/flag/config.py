@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from devgraph.contract.modes import shorten
 from devgraph.contract.phases import PHASES, Phase
 from devgraph.errors import ConfigError
 from devgraph.flag.values import (
@@ -37,9 +36,9 @@ from devgraph.flag.values import (
     check_combination,
     check_field,
     check_mode,
-    kind,
     set_mode_names_lookup,
 )
+from devgraph.messages import kind, shorten
 
 __all__ = [
     "COMPILING_BACKENDS",

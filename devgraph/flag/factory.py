@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
-from devgraph.contract.modes import EAGER_MODES, SpecialMode, shorten
+from devgraph.contract.modes import EAGER_MODES, SpecialMode
 from devgraph.contract.phases import check_phase
 from devgraph.contract.platform import Availability, GraphPlatform, ask_availability
 from devgraph.errors import BackendUnavailableError, ConfigError
@@ -27,6 +27,7 @@ from devgraph.flag.config import (
     check_backend_options,
 )
 from devgraph.flag.values import compiler_ignored
+from devgraph.messages import shorten
 from devgraph.registry.plugins import Registry, get_registry
 from devgraph.registry.rules import Downgrade, apply_rules
 from devgraph.strategies.eager import EagerBackend

@@ -12,9 +12,9 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from devgraph.contract.modes import shorten
 from devgraph.contract.phases import Phase
 from devgraph.errors import ConfigError
+from devgraph.messages import kind, shorten
 
 __all__ = [
     "DEFAULT_DECODE_SIZES",
@@ -84,9 +84,7 @@ def check_size(
     """``value`` if it is an integer from 1 to the phase's limit; :class:`ConfigError` naming both caps."""
     top, why = _limit(phase, free_bytes, row_bytes)
     if isinstance(value, bool) or not isinstance(value, int):
-        name = type(value).__name__
-        kind = "a boolean" if isinstance(value, bool) else f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
-        raise ConfigError(f"{what} must be an integer from 1 to {top}, got {shorten(value)} ({kind})")
+        raise ConfigError(f"{what} must be an integer from 1 to {top}, got {shorten(value)} ({kind(value)})")
     if not 1 <= value <= top:
         raise ConfigError(f"{what} must be an integer from 1 to {top}, got {shorten(value)}; {why}")
     return value

@@ -13,9 +13,10 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from devgraph.contract.modes import MODE_NAME_PATTERN, SPECIAL_MODES, Compiler, SpecialMode, Strategy, shorten
+from devgraph.contract.modes import MODE_NAME_PATTERN, SPECIAL_MODES, Compiler, SpecialMode, Strategy
 from devgraph.errors import ConfigError
 from devgraph.flag.sizes import HARD_MAX_SIZE, check_size, check_size_list
+from devgraph.messages import kind, shorten
 
 __all__ = [
     "COMPILERS",
@@ -30,7 +31,6 @@ __all__ = [
     "check_combination",
     "check_field",
     "check_mode",
-    "kind",
     "set_mode_names_lookup",
 ]
 
@@ -106,14 +106,6 @@ class ModeNames:
 
 
 # -- value checks (messages name the field; parse() prefixes the flag and its value) ---------------------
-def kind(value: object) -> str:
-    """``"a boolean"``, ``"an int"``, ``"a float"``: the type of a bad value, for messages."""
-    if isinstance(value, bool):
-        return "a boolean"
-    name = type(value).__name__
-    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
-
-
 def bad(value: object, what: str, accepted: Iterable[str]) -> ConfigError:
     accepted = list(accepted)
     hint = ""

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from devgraph.contract.keys import GraphKey
-from devgraph.contract.modes import shorten
-from devgraph.contract.platform import GraphPlatform, describe_error
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import CaptureError
+from devgraph.messages import describe_error, shorten
 from devgraph.ranks.group import (
     RANK_TIMEOUT_ENV,
     PeerLost,

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.platform import GraphPlatform, describe_error
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
+from devgraph.messages import describe_error
 
 logger = logging.getLogger("devgraph.ranks")
 

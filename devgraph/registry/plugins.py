@@ -24,11 +24,11 @@ from typing import Any
 import pluggy
 
 from devgraph.contract.backend import DeviceGraphBackend
-from devgraph.contract.modes import shorten
 from devgraph.contract.phases import PHASES
-from devgraph.contract.platform import GraphPlatform, describe_error
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import BackendUnavailableError, RegistrationError
 from devgraph.flag.values import set_mode_names_lookup
+from devgraph.messages import describe_error, shorten
 from devgraph.registry import hookspecs
 from devgraph.registry.registration import (
     BackendSpec,

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devgraph.contract.backend import DeviceGraphBackend
-from devgraph.contract.modes import MODE_NAME_PATTERN, SPECIAL_MODES, shorten
+from devgraph.contract.modes import MODE_NAME_PATTERN, SPECIAL_MODES
 from devgraph.contract.phases import PHASES
 from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import RegistrationError
+from devgraph.messages import shorten
 from devgraph.registry.rules import CompatibilityRule
 
 __all__ = [

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from devgraph.contract.modes import MODE_NAME_PATTERN, SPECIAL_MODES, Strategy, shorten
+from devgraph.contract.modes import MODE_NAME_PATTERN, SPECIAL_MODES, Strategy
 from devgraph.contract.phases import PHASES
-from devgraph.contract.platform import describe_error
 from devgraph.errors import ConfigError, RegistrationError
+from devgraph.messages import describe_error, shorten
 
 __all__ = ["BUILTIN_RULES", "CompatibilityRule", "Downgrade", "RuleErrorHandler", "apply_rules", "check_rule"]
 

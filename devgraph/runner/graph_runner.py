@@ -20,10 +20,10 @@ from devgraph.contract.backend import Batch, DeviceGraphBackend
 from devgraph.contract.context import forward_context
 from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import REQUESTS, GraphKey
-from devgraph.contract.modes import shorten
 from devgraph.contract.phases import Phase
 from devgraph.errors import ConfigError, InputError
 from devgraph.flag.config import DeviceGraphConfig
+from devgraph.messages import shorten
 from devgraph.ranks import CaptureSync, check_lockstep, rank_of, release_backend, track_runner
 from devgraph.runner.capture.lazy import LazyGraphs, LazyPolicy
 from devgraph.runner.capture.loop import (
@@ -34,18 +34,13 @@ from devgraph.runner.capture.loop import (
     frozen_gc,
     show_progress,
 )
+from devgraph.runner.capture.probe import probe_layout
 from devgraph.runner.dispatch import Decision, Dispatcher
 from devgraph.runner.inspection import describe_runner
-from devgraph.runner.outputs.layout import OutputLayout, check_output_axes, copy_into_out, copy_tree
-from devgraph.runner.plan import (
-    check_inputs,
-    probe_layout,
-    resolve_backend,
-    runner_device,
-    schedule_for,
-    warmup_count,
-)
-from devgraph.runner.schedule import AxisSizes
+from devgraph.runner.outputs.layout import OutputLayout, check_output_axes
+from devgraph.runner.outputs.trees import copy_into_out, copy_tree
+from devgraph.runner.plan import check_inputs, resolve_backend, runner_device, warmup_count
+from devgraph.runner.schedule import AxisSizes, schedule_for
 from devgraph.runner.staging import StaticBuffers, Step, StepValidator
 from devgraph.runner.state import as_state
 from devgraph.runner.stats import RunnerStats

@@ -12,14 +12,22 @@ other axis an input declares gets, for each token size ``T``, a short list of bu
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from devgraph.contract.keys import REQUESTS, TOKENS, GraphKey
-from devgraph.contract.modes import shorten
-from devgraph.errors import ConfigError
+import torch
 
-__all__ = ["AxisSizes", "KeySchedule"]
+from devgraph.contract.keys import REQUESTS, TOKENS, GraphKey
+from devgraph.contract.phases import Phase
+from devgraph.errors import ConfigError
+from devgraph.flag.config import PhaseConfig
+from devgraph.flag.sizes import resolve_sizes
+from devgraph.messages import shorten
+
+__all__ = ["AxisSizes", "KeySchedule", "schedule_for", "tokens_per_request_for"]
+
+logger = logging.getLogger("devgraph.runner")
 
 AxisSizes = int | Sequence[int] | Mapping[int, Sequence[int]] | Callable[[int], Sequence[int]]
 
@@ -147,3 +155,105 @@ class KeySchedule:
             "tokens_per_request": self.tokens_per_request,
             "variants": {name: [repr(v) for v in values] for name, values in self.variants.items()},
         }
+
+
+def tokens_per_request_for(phase: Phase, given: int | None) -> int | None:
+    """Decode: 1; verify: ``1 + k`` (required); prefill/encode: none (requests vary)."""
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
+        raise ConfigError(f"tokens_per_request must be a positive int, got {shorten(given)}")
+    if phase is Phase.DECODE:
+        if given not in (None, 1):
+            raise ConfigError(f"decode has one token per request; use phase='verify' for {given} per request")
+        return 1
+    if phase is Phase.VERIFY:
+        if given is None:
+            raise ConfigError(
+                "the verify phase needs tokens_per_request=1 + k (k draft tokens per request), e.g. 4 for k=3"
+            )
+        return given
+    if given is not None:
+        raise ConfigError(
+            f"{phase} steps have a varying number of tokens per request; drop tokens_per_request"
+        )
+    return None
+
+
+def _free_bytes(runner: Any) -> int | None:
+    try:
+        return runner.platform.mem_get_info()[0]
+    except Exception:  # a platform that cannot tell: the defaults assume plenty
+        return None
+
+
+def _row_bytes(runner: Any) -> int:
+    """Static-input bytes per token row (request-axis inputs counted as if one request per token)."""
+    return max(
+        1,
+        sum(
+            spec.dtype.itemsize * max(1, int(torch.Size(spec.shape).numel()))
+            for spec in runner.input_specs.values()
+            if not spec.host
+        ),
+    )
+
+
+def _verify_sizes(
+    sizes: Sequence[int] | None, max_size: int | None, tpr: int, free: int | None, row_bytes: int
+) -> tuple[int, ...]:
+    """Verify token sizes: multiples of ``tpr``; the largest always captured (rounded up, never dropped)."""
+    if max_size is not None and max_size % tpr:
+        rounded = -(-max_size // tpr) * tpr
+        logger.warning(
+            "devgraph: verify max_size %d is not a multiple of %d tokens per request; capturing up to %d so "
+            "the widest speculative batch still replays",
+            max_size,
+            tpr,
+            rounded,
+        )
+        max_size = rounded
+    if sizes is not None:
+        bad = [s for s in sizes if isinstance(s, int) and s % tpr]
+        if bad:
+            raise ConfigError(
+                f"verify sizes must be multiples of tokens_per_request={tpr} (whole requests); got {bad}"
+            )
+        return resolve_sizes(Phase.VERIFY.value, sizes, max_size, free, row_bytes=row_bytes).sizes
+    batches = resolve_sizes(
+        Phase.DECODE.value,
+        None,
+        None if max_size is None else max_size // tpr,
+        free,
+        row_bytes=row_bytes * tpr,
+    )
+    return tuple(b * tpr for b in batches.sizes)
+
+
+def schedule_for(
+    runner: Any,
+    phase_config: PhaseConfig,
+    sizes: Sequence[int] | None,
+    max_size: int | None,
+    axes: Mapping[str, AxisSizes] | None,
+    tokens_per_request: int | None,
+    variants: Mapping[str, Sequence[Hashable]] | None,
+) -> KeySchedule:
+    """The runner's keys: token sizes (flag first, then arguments, then defaults), axes and variants."""
+    phase = Phase(runner.phase)
+    tpr = tokens_per_request_for(phase, tokens_per_request)
+    chosen_sizes = phase_config.sizes or sizes
+    chosen_max = phase_config.max_size or max_size
+    free = _free_bytes(runner)
+    row_bytes = _row_bytes(runner)
+    if phase is Phase.VERIFY:
+        assert tpr is not None
+        token_sizes = _verify_sizes(chosen_sizes, chosen_max, tpr, free, row_bytes)
+    else:
+        token_sizes = resolve_sizes(phase.value, chosen_sizes, chosen_max, free, row_bytes=row_bytes).sizes
+    axis_names = [spec.axis for spec in runner.input_specs.values()]
+    clashing = sorted(set(variants or {}) & set(runner.input_specs))
+    if clashing:
+        raise ConfigError(
+            f"variants {clashing} share their names with inputs; the forward gets both as keyword "
+            "arguments, so rename one"
+        )
+    return KeySchedule(phase.value, token_sizes, axis_names, axes, tpr, variants)

@@ -15,8 +15,8 @@ import torch
 
 from devgraph.contract.inputs import EDGE, StaticInput
 from devgraph.contract.keys import TOKENS, GraphKey
-from devgraph.contract.modes import shorten
 from devgraph.errors import InputError
+from devgraph.messages import shorten
 
 __all__ = ["StaticBuffers", "Step", "StepValidator", "leading_rows"]
 

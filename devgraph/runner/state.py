@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError
+from devgraph.messages import shorten
 
 __all__ = ["StateHooks", "DeclaredState", "as_state"]
 

@@ -8,8 +8,7 @@ from typing import Any
 import torch
 
 from devgraph.contract.keys import GraphKey
-from devgraph.runner.outputs.layout import flatten
-from devgraph.runner.outputs.trees import max_abs, max_abs_diff, tensor_leaves
+from devgraph.runner.outputs.trees import flatten, max_abs, max_abs_diff, tensor_leaves
 
 __all__ = ["VerifyResult", "default_rtol", "compare"]
 

@@ -11,9 +11,9 @@ import argparse
 import sys
 from typing import Any
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import DevGraphError
 from devgraph.flag.config import add_device_graph_args
+from devgraph.messages import shorten
 from devgraph.reference.config import ATTENTION_MODES, PRESET_NAMES
 
 __all__ = ["add_bench_serve_parser", "add_serve_parser", "run_bench_serve", "run_serve", "serve_main"]

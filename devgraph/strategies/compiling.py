@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.modes import Compiler, shorten
+from devgraph.contract.modes import Compiler
 from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.errors import CaptureError, ConfigError, RecompileError
+from devgraph.messages import shorten
 
 __all__ = [
     "CompileSession",

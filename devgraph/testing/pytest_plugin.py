@@ -81,9 +81,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _check_options(config: pytest.Config) -> None:
     """Bad kit options are usage errors, reported before collection (never an INTERNALERROR)."""
-    from devgraph.contract.modes import MODE_NAME_PATTERN, shorten
+    from devgraph.contract.modes import MODE_NAME_PATTERN
     from devgraph.contract.phases import check_phase
     from devgraph.errors import ConfigError
+    from devgraph.messages import shorten
     from devgraph.registry.plugins import get_registry
 
     registered = sorted(f"{platform}:{name}" for platform, name in get_registry().backends)

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from devgraph.contract.inputs import StaticInput
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError
 from devgraph.flag.config import DeviceGraphConfig
 from devgraph.integrations.hf.cache import SharedStaticCache
@@ -26,6 +25,7 @@ from devgraph.integrations.hf.support import (
     check_model,
     route_generate,
 )
+from devgraph.messages import shorten
 from devgraph.runner.capture.loop import CaptureReport
 from devgraph.runner.graph_runner import GraphRunner
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
 from devgraph.integrations.hf.lib import transformers
@@ -47,6 +46,7 @@ from devgraph.integrations.hf.regions import (
     rope,
     swiglu,
 )
+from devgraph.messages import shorten
 
 __all__ = ["MIN_WINDOW", "FastPath", "DecodeRegions", "resolve_windows"]
 

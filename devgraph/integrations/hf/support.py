@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError
+from devgraph.messages import shorten
 
 __all__ = ["FALLBACK_REASONS", "Route", "check_model", "check_generate_kwargs", "route_generate"]
 

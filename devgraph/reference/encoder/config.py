@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError
+from devgraph.messages import shorten
 from devgraph.reference.config_rules import check_kernels, check_positive_ints, preset_values
 
 __all__ = ["ENCODER_ATTENTION", "ENCODER_PRESETS", "VisionConfig"]

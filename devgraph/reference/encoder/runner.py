@@ -9,9 +9,9 @@ import torch
 
 from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import REQUESTS, GraphKey
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError
 from devgraph.flag.sizes import MAX_SIZE_COUNT
+from devgraph.messages import shorten
 from devgraph.reference.encoder.batch import ImageBatch
 from devgraph.reference.encoder.model import VisionEncoder
 from devgraph.runner.graph_runner import GraphRunner

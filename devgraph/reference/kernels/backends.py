@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import BackendUnavailableError, ConfigError
+from devgraph.messages import shorten
 from devgraph.reference.kernels import torch_ref
 
 __all__ = [

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import InputError
+from devgraph.messages import shorten
 
 __all__ = [
     "check_decode",

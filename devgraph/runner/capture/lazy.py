@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from devgraph.contract.keys import GraphKey
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError
+from devgraph.messages import shorten
 
 __all__ = ["LazyGraphs", "LazyPolicy", "LruKeys"]
 

@@ -1,10 +1,9 @@
 """What a forward returns, and how every path hands the same structure and shapes back to the caller.
 
-Outputs are pytrees: tensors, tuples, lists, dicts, namedtuples, dataclasses (registered here on first
-sight) and Hugging Face ``ModelOutput`` (registered by transformers), each coming back as its own type.
-Which tensor leaves are *row-major* (one row per token, or per request, so a padded step must be cut back
-to the real count) is known per leaf: declared with ``output_axes=`` or inferred once at capture by
-comparing the leaf's first dimension across keys of different sizes, never guessed per call.
+Outputs are pytrees (:mod:`devgraph.runner.outputs.trees`). Which tensor leaves are *row-major* (one row
+per token, or per request, so a padded step must be cut back to the real count) is known per leaf:
+declared with ``output_axes=`` or inferred once at capture by comparing the leaf's first dimension across
+keys of different sizes, never guessed per call.
 
 Ownership, one rule on every path: what ``run()`` returns is valid until the next ``run()`` of the same
 runner (graph steps return views of the graph's static outputs). ``copy=True`` returns tensors the caller
@@ -13,9 +12,7 @@ owns; ``out=`` copies into tensors the caller provides (e.g. pinned host memory)
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,143 +20,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from devgraph.contract.keys import TOKENS, GraphKey
-from devgraph.contract.modes import shorten
-from devgraph.errors import CaptureError, ConfigError, InputError
+from devgraph.errors import CaptureError, ConfigError
+from devgraph.messages import shorten
+from devgraph.runner.outputs.trees import flatten, leaf_paths, same_structure
 
-__all__ = ["OutputLayout", "flatten", "register_dataclasses", "copy_tree", "copy_into_out", "same_structure"]
-
-_register_lock = threading.Lock()
-
-
-def register_dataclasses(tree: Any) -> None:
-    """Register every dataclass type inside ``tree`` as a pytree node (fields in order), once."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor) or node is None:
-            continue
-        kind = type(node)
-        if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            if kind not in pytree.SUPPORTED_NODES:
-                _register(kind)
-            if kind in pytree.SUPPORTED_NODES:
-                stack.extend(_children(node))
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-
-
-def _children(node: Any) -> list[Any]:
-    flatten_fn = pytree.SUPPORTED_NODES[type(node)].flatten_fn
-    return list(flatten_fn(node)[0])
-
-
-_UNSET = object()  # a field declared with init=False that the object never set
-
-
-def _register(kind: type) -> None:
-    """Register ``kind`` with every field as a child: ``init`` fields rebuild the object, the others
-    (``field(init=False)``, often set in ``__post_init__``) are set on it afterwards, so their tensors are
-    cut, copied and compared like any other output."""
-    with _register_lock:
-        if kind in pytree.SUPPORTED_NODES:
-            return
-        init_fields = tuple(f.name for f in dataclasses.fields(kind) if f.init)
-        other = tuple(f.name for f in dataclasses.fields(kind) if not f.init)
-        names = init_fields + other
-
-        def flatten_fn(obj: Any) -> tuple[list[Any], Any]:
-            return [getattr(obj, name, _UNSET) for name in names], None
-
-        def flatten_with_keys_fn(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
-            values, context = flatten_fn(obj)
-            return [(pytree.GetAttrKey(n), v) for n, v in zip(names, values, strict=True)], context
-
-        def unflatten_fn(values: Any, context: Any) -> Any:
-            values = list(values)
-            # The fields are restored without calling __init__: a hand-written one may take other arguments,
-            # and __post_init__ already ran when the forward built the original.
-            obj = kind.__new__(kind)  # type: ignore[call-overload]
-            for name, value in zip(init_fields, values[: len(init_fields)], strict=True):
-                object.__setattr__(obj, name, value)
-            for name, value in zip(other, values[len(init_fields) :], strict=True):
-                if value is not _UNSET:
-                    object.__setattr__(obj, name, value)  # frozen dataclasses too
-            return obj
-
-        pytree.register_pytree_node(
-            kind,
-            flatten_fn,
-            unflatten_fn,
-            flatten_with_keys_fn=flatten_with_keys_fn,
-            serialized_type_name=f"{kind.__module__}.{kind.__qualname__}",
-        )
-
-
-def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
-    """``tree``'s leaves and spec, registering dataclasses first."""
-    register_dataclasses(tree)
-    return pytree.tree_flatten(tree)
-
-
-def copy_tree(tree: Any) -> Any:
-    """Every tensor of ``tree`` cloned (detached): owned by the caller."""
-    leaves, spec = flatten(tree)
-    return pytree.tree_unflatten(
-        [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec
-    )
-
-
-def same_structure(a: pytree.TreeSpec, b: pytree.TreeSpec) -> bool:
-    """Whether two specs have the same node types, keys and leaf positions (leaf values not compared).
-
-    Unlike ``a == b`` this never compares tensors a node keeps in its context."""
-    if a.is_leaf() or b.is_leaf():
-        return a.is_leaf() and b.is_leaf()
-    if a.type is not b.type or a.num_children != b.num_children:
-        return False
-    try:
-        if a.context != b.context:  # dict keys, a namedtuple's class, a ModelOutput's field names
-            return False
-    except Exception:  # a context that cannot be compared as a whole: compare the children only
-        pass
-    return all(same_structure(x, y) for x, y in zip(a.children(), b.children(), strict=True))
-
-
-def copy_into_out(result: Any, out: Any) -> Any:
-    """Copy the tensors of ``result`` into the matching tensors of ``out`` (same structure); returns ``out``.
-
-    ``out`` leaves may differ in dtype and device (a pinned host buffer): ``copy_`` converts once, and
-    returns when the data is there (the caller may read ``out`` at once). A ``None`` leaf in ``out``
-    skips that output. Every leaf is checked before any is written.
-    """
-    got, got_spec = flatten(result)
-    want, want_spec = flatten(out)
-    if not same_structure(got_spec, want_spec) and isinstance(result, dict) and isinstance(out, dict):
-        # The same keys in another order: match the leaves by key path, not by position.
-        by_path = dict(zip(_leaf_paths(out, len(want)), want, strict=True))
-        paths = _leaf_paths(result, len(got))
-        if set(paths) == set(by_path):
-            want, want_spec = [by_path[p] for p in paths], got_spec
-    if not same_structure(got_spec, want_spec):
-        raise InputError(
-            f"out= must have the structure of the step's outputs ({shorten(got_spec, 200)}), "
-            f"got {shorten(want_spec, 200)}; pass the same containers with a tensor (or None) per output"
-        )
-    pairs = []
-    for i, (src, dst) in enumerate(zip(got, want, strict=True)):
-        if dst is None or not isinstance(src, torch.Tensor):
-            continue
-        if not isinstance(dst, torch.Tensor) or dst.shape != src.shape:
-            shape = tuple(dst.shape) if isinstance(dst, torch.Tensor) else type(dst).__name__
-            raise InputError(
-                f"out= leaf {i} is {shape}, the step's output leaf {i} has shape {tuple(src.shape)}"
-            )
-        pairs.append((src, dst))
-    for src, dst in pairs:
-        dst.copy_(src)
-    return out
+__all__ = ["OutputLayout", "check_output_axes", "parse_row_axis"]
 
 
 #: A row-major leaf: the axis its first dimension follows and the rows it has beyond that axis's count
@@ -227,7 +92,7 @@ class OutputLayout:
         leaves, spec = flatten(outputs)
         if self.spec is None:
             self.spec = spec
-            self.paths = _leaf_paths(outputs, len(leaves))
+            self.paths = leaf_paths(outputs, len(leaves))
         elif not same_structure(spec, self.spec):
             raise ConfigError(
                 f"the forward returned a different output structure for {key} than for other keys "
@@ -367,15 +232,6 @@ class OutputLayout:
             "row_axes": {p: _row_text(r) for p, r in zip(paths, rows, strict=True)},
             "declared": self.declared is not None,
         }
-
-
-def _leaf_paths(tree: Any, count: int) -> list[str]:
-    """``keystr`` paths of the leaves (``"[0]"``, ``".logits"``, ``"['hidden']"``); indices where a node
-    type offers no keys."""
-    try:
-        return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
-    except ValueError:  # a node registered without flatten_with_keys_fn
-        return [f"[{i}]" for i in range(count)]
 
 
 def check_output_axes(value: Any) -> Any:

@@ -23,8 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import InputError
+from devgraph.messages import shorten
 from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import (
     ApiError,

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import InputError
+from devgraph.messages import shorten
 from devgraph.serve.api.tokenizer import ByteTokenizer
 from devgraph.serve.engine.request import MAX_STOP_TOKEN_IDS, RequestOutput, SamplingParams
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from devgraph.contract.modes import shorten
+from devgraph.messages import shorten
 from devgraph.serve.bench.report import summarize, summary_table
 
 __all__ = [

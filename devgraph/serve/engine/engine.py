@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import ConfigError, InputError
 from devgraph.flag.config import DeviceGraphConfig
+from devgraph.messages import shorten
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.model import ReferenceModel
 from devgraph.reference.runners import decode_runner, prefill_runner

@@ -8,8 +8,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from devgraph.contract.modes import shorten
 from devgraph.errors import InputError
+from devgraph.messages import shorten
 
 __all__ = [
     "MAX_STOP_TOKEN_IDS",

@@ -1,0 +1,29 @@
+"""How devgraph's messages show what they talk about: a value cut to a readable length, a value's kind,
+an exception on one line. A root leaf: it imports nothing of devgraph, so every layer may use it."""
+
+from __future__ import annotations
+
+__all__ = ["describe_error", "kind", "shorten"]
+
+
+def shorten(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that echo user input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 14]}... ({len(text)} chars)"
+
+
+def kind(value: object) -> str:
+    """``"a boolean"``, ``"an int"``, ``"a float"``: the type of a bad value, for messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    name = type(value).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
+
+
+def describe_error(exc: BaseException, limit: int = 200) -> str:
+    """``"RuntimeError: message"`` on one line, the message cut to ``limit`` characters (a plug-in's
+    exception text is not ours to print whole)."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = f"{text[: limit - 3]}..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
