@@ -83,6 +83,13 @@ class DeviceGraphBackend(ABC):
     name: ClassVar[str] = "abstract"
     #: False for backends that never capture (``eager``): the runner then runs every step eagerly.
     uses_graphs: ClassVar[bool] = True
+    #: Whether the strategy runs the forward through ``torch.compile`` when ``compiler`` is set. The flag
+    #: and ``create_backend`` refuse ``compiler`` / ``inductor_mode`` for a backend that does not (they would
+    #: be ignored); a plug-in's own compiling strategy sets it, and the flag then accepts its name with them.
+    accepts_compiler: ClassVar[bool] = False
+    #: Where break ops run at replay: eagerly between graph segments (``True``), captured inside the graph
+    #: (``False``), or not declared (``None``: the conformance kit observes it).
+    runs_breaks_eagerly: ClassVar[bool | None] = None
     #: Whether :meth:`release` can drop one key's graph (the lazily captured encoder cache needs it).
     supports_release: ClassVar[bool] = False
 

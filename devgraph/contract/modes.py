@@ -2,7 +2,9 @@
 
 Glossary (docs/glossary.md): a *mode* is the word a user types; a *strategy* is the backend class that
 implements it; a *platform* is the device it runs on. ``full`` on an NVIDIA GPU and ``full`` on an Ascend
-NPU are one mode served by two backends.
+NPU are one mode served by two backends. What a strategy does (whether it compiles, where its break ops
+run) is said by its class (:class:`~devgraph.contract.backend.DeviceGraphBackend`), not here, so a plug-in's
+own strategy says it the same way.
 """
 
 from __future__ import annotations
@@ -17,54 +19,40 @@ __all__ = [
     "SPECIAL_MODES",
     "SpecialMode",
     "Strategy",
+    "Word",
 ]
 
 
-class SpecialMode(str, Enum):
+class Word(str, Enum):
+    """A word of devgraph's vocabulary: equal to its text, and printed as it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SpecialMode(Word):
     """Mode names that are not a backend: ``auto`` picks the platform default, the others mean no graphs."""
 
     AUTO = "auto"
     DISABLED = "disabled"
     EAGER = "eager"
 
-    def __str__(self) -> str:
-        return self.value
 
-    @property
-    def is_eager(self) -> bool:
-        return self is not SpecialMode.AUTO
-
-
-class Strategy(str, Enum):
-    """The strategies devgraph ships; plug-ins register backends under these names (or their own)."""
+class Strategy(Word):
+    """The names of the strategies devgraph ships; plug-ins register backends under these names (or their
+    own). Each strategy class sets its ``name`` from here."""
 
     FULL = "full"
     BREAKABLE = "breakable"
     TC_PIECEWISE = "tc_piecewise"
     EAGER = "eager"
 
-    def __str__(self) -> str:
-        return self.value
 
-    @property
-    def accepts_compiler(self) -> bool:
-        """Whether the strategy runs the forward through ``torch.compile`` when a compiler is set."""
-        return self in (Strategy.FULL, Strategy.TC_PIECEWISE)
-
-    @property
-    def runs_breaks_eagerly(self) -> bool:
-        """Whether break ops run eagerly between graph segments at replay (rather than inside the graph)."""
-        return self in (Strategy.BREAKABLE, Strategy.TC_PIECEWISE)
-
-
-class Compiler(str, Enum):
+class Compiler(Word):
     """What ``torch.compile`` lowers the forward with: ``eager`` (no code generation) or ``inductor``."""
 
     EAGER = "eager"
     INDUCTOR = "inductor"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: Names that mean "no graphs" on every platform.

@@ -1,19 +1,20 @@
 """The phases an engine runs, each with its own runner, sizes and backend choice.
 
-A phase is a closed set of names (``decode``, ``prefill``, ``encode``, ``verify``); :class:`Phase` carries
-what differs between them, so callers ask the phase rather than compare strings.
+A phase is a closed set of names (``decode``, ``prefill``, ``encode``, ``verify``). Callers turn a name into
+a :class:`Phase` once (:meth:`Phase.parse`) and then ask it (:attr:`Phase.uniform`) or compare members;
+no caller compares phase strings.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
+from devgraph.contract.modes import Word
 from devgraph.errors import ConfigError
+from devgraph.messages import shorten
 
 __all__ = ["PHASES", "Phase", "check_phase"]
 
 
-class Phase(str, Enum):
+class Phase(Word):
     """One step type of an inference engine.
 
     * ``decode``: one new token per request; sizes are batch sizes.
@@ -28,18 +29,10 @@ class Phase(str, Enum):
     ENCODE = "encode"
     VERIFY = "verify"
 
-    def __str__(self) -> str:
-        return self.value
-
     @property
     def uniform(self) -> bool:
         """Whether every request brings the same number of tokens (so requests follow from tokens)."""
         return self in (Phase.DECODE, Phase.VERIFY)
-
-    @property
-    def size_unit(self) -> str:
-        """What a size of this phase counts, for messages and reports."""
-        return "batch size" if self is Phase.DECODE else "token count"
 
     @classmethod
     def parse(cls, value: object) -> Phase:
@@ -49,8 +42,7 @@ class Phase(str, Enum):
         try:
             return cls(value)
         except ValueError:
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-            raise ConfigError(f"unknown phase {shown}; accepted: {', '.join(PHASES)}") from None
+            raise ConfigError(f"unknown phase {shorten(value, 40)}; accepted: {', '.join(PHASES)}") from None
 
 
 #: Every phase name, in the order docs and reports list them.

@@ -10,8 +10,9 @@ rules) is :func:`devgraph.flag.factory.resolve_phase`'s job. Accepted values::
     {"decode": {"backend": "full", "compiler": "inductor"}, "prefill": {"backend": "tc_piecewise",
      "max_size": 2048, "compiler": "eager"}, "encode": {"lazy": true, "max_graphs": 16}}
 
-Mode names are checked against the registered backends through a lookup that :mod:`devgraph.registry.plugins`
-installs (:func:`set_mode_names_lookup`), so this module imports neither the registry nor the factory.
+Mode names are checked against the registered backends, which the value checks
+(:mod:`devgraph.flag.values`) ask the registry for; this module imports neither the registry nor the
+factory.
 """
 
 from __future__ import annotations
@@ -26,32 +27,23 @@ from typing import Any, Literal
 from devgraph.contract.phases import PHASES, Phase
 from devgraph.errors import ConfigError
 from devgraph.flag.values import (
-    COMPILING_BACKENDS,
-    INDUCTOR_MODES,
     PHASE_KEYS,
     ModeNames,
     ModeNamesLookup,
     bad,
-    check_backend_options,
     check_combination,
     check_field,
     check_mode,
-    set_mode_names_lookup,
 )
 from devgraph.messages import kind, shorten
 
 __all__ = [
-    "COMPILING_BACKENDS",
     "FLAG",
     "GRAMMAR",
-    "INDUCTOR_MODES",
-    "PHASE_KEYS",
     "DeviceGraphConfig",
     "PhaseConfig",
     "add_device_graph_args",
-    "check_backend_options",
     "device_graph_mode_type",
-    "set_mode_names_lookup",
 ]
 
 FLAG = "--device-graph-mode"

@@ -19,14 +19,8 @@ from devgraph.contract.modes import EAGER_MODES, SpecialMode
 from devgraph.contract.phases import check_phase
 from devgraph.contract.platform import Availability, GraphPlatform, ask_availability
 from devgraph.errors import BackendUnavailableError, ConfigError
-from devgraph.flag.config import (
-    COMPILING_BACKENDS,
-    FLAG,
-    DeviceGraphConfig,
-    PhaseConfig,
-    check_backend_options,
-)
-from devgraph.flag.values import compiler_ignored
+from devgraph.flag.config import FLAG, DeviceGraphConfig, PhaseConfig
+from devgraph.flag.values import check_backend_options, compiler_ignored
 from devgraph.messages import shorten
 from devgraph.registry.plugins import Registry, get_registry
 from devgraph.registry.rules import Downgrade, apply_rules
@@ -191,10 +185,17 @@ def resolve_phase(
     phase_config = config.for_phase(phase)
     backend = resolve_mode(platform, phase, phase_config.backend, registry)
     compiling = {k: getattr(phase_config, k) for k in ("compiler", "inductor_mode")}
-    if backend not in COMPILING_BACKENDS:
+    if registry.accepts_compiler(platform, backend) is False:
         for key, value in compiling.items():
             if value is not None:
-                error = compiler_ignored(backend, f"{phase}.", key, value, resolved_from=phase_config.backend)
+                error = compiler_ignored(
+                    backend,
+                    f"{phase}.",
+                    key,
+                    value,
+                    resolved_from=phase_config.backend,
+                    compiling=registry.compiling_names(),
+                )
                 raise ConfigError(f"{FLAG} {shorten(config.source)} on platform {platform!r}: {error}")
     before = backend
     backend, downgrades = apply_rules(
@@ -206,7 +207,7 @@ def resolve_phase(
     )
     if (
         backend != before
-        and backend not in COMPILING_BACKENDS
+        and not registry.accepts_compiler(platform, backend)
         and any(v is not None for v in compiling.values())
     ):
         logger.warning(
@@ -220,13 +221,13 @@ def resolve_phase(
 
 
 def _backend_options(
-    options: BackendOptions | Mapping[str, Any] | None, backend: str
+    options: BackendOptions | Mapping[str, Any] | None, backend: str, compiles: bool
 ) -> BackendOptions | None:
     if options is None or isinstance(options, BackendOptions):
         return options
     if not isinstance(options, Mapping):
         raise ConfigError(f"backend options must be a mapping or BackendOptions, got {shorten(options)}")
-    typed = check_backend_options(options, backend=backend)
+    typed = check_backend_options(options, backend=backend, compiles=compiles)
     extra = {k: v for k, v in options.items() if k not in _TYPED_OPTIONS}
     return BackendOptions(**typed, extra=extra)
 
@@ -251,9 +252,10 @@ def create_backend(
     phase = check_phase(phase)
     platform = resolve_platform(device, registry)
     name = resolve_mode(platform.name, phase, mode, registry)
-    backend_options = _backend_options(options, name)
     if name == SpecialMode.EAGER.value:
-        return EagerBackend(platform, phase=phase, options=backend_options)
+        return EagerBackend(
+            platform, phase=phase, options=_backend_options(options, name, EagerBackend.accepts_compiler)
+        )
     spec = registry.backends.get((platform.name, name))
     if spec is None:
         available = sorted(n for (p, n) in registry.backends if p == platform.name)
@@ -263,6 +265,7 @@ def create_backend(
             f"no backend {shorten(name)} for platform {platform.name!r} (available there: "
             f"{', '.join(available + ['eager'])}){hint}"
         )
+    backend_options = _backend_options(options, name, spec.cls.accepts_compiler)
     if phase not in spec.phases:
         raise ConfigError(
             f"backend {platform.name}:{name} does not support phase {phase!r} "

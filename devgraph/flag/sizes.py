@@ -192,12 +192,13 @@ def resolve_sizes(
     the phase's hard cap and the cap ``free_bytes`` affords at ``row_bytes`` bytes of static inputs a row
     (:func:`check_size` says both).
     """
-    phase = Phase.parse(phase).value
+    chosen_phase = Phase.parse(phase)
+    phase = chosen_phase.value
     limits = {"free_bytes": free_bytes, "row_bytes": row_bytes}
     if max_size is not None:
         check_size(phase, max_size, f"{phase} max_size", **limits)
     if sizes is None:
-        defaults = DEFAULT_DECODE_SIZES if phase == Phase.DECODE.value else DEFAULT_PREFILL_SIZES
+        defaults = DEFAULT_DECODE_SIZES if chosen_phase is Phase.DECODE else DEFAULT_PREFILL_SIZES
         if max_size is not None:
             top = max_size
         else:

@@ -1,9 +1,12 @@
 """The values a phase of ``--device-graph-mode`` may hold, and their checks.
 
-Shared by the flag's parser (:mod:`devgraph.flag.config`) and by ``create_backend(options=...)``, so a
-key means the same and is refused the same way wherever it arrives. Each check raises a one-line
-:class:`~devgraph.errors.ConfigError` naming the field, the shortened value and what is accepted; the
-parser prefixes the flag and its value.
+Shared by the flag's parser (:mod:`devgraph.flag.config`), a runner's arguments and
+``create_backend(options=...)``, so a key means the same and is refused the same way wherever it arrives.
+Each check raises a one-line :class:`~devgraph.errors.ConfigError` naming the field, the shortened value and
+what is accepted; the parser prefixes the flag and its value.
+
+Which mode names exist, and which of them compile, is the registry's to say: the checks ask it
+(:func:`registered_modes`, :func:`compiling_modes`) when a name or a compiler needs checking.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from devgraph.contract.modes import MODE_NAME_PATTERN, SPECIAL_MODES, Compiler, 
 from devgraph.errors import ConfigError
 from devgraph.flag.sizes import HARD_MAX_SIZE, check_size, check_size_list
 from devgraph.messages import kind, shorten
+from devgraph.registry.plugins import get_registry
 
 __all__ = [
     "COMPILERS",
-    "COMPILING_BACKENDS",
     "INDUCTOR_MODES",
     "ModeNames",
     "ModeNamesLookup",
@@ -31,10 +34,11 @@ __all__ = [
     "check_combination",
     "check_field",
     "check_mode",
-    "set_mode_names_lookup",
+    "compiling_modes",
+    "registered_modes",
 ]
 
-logger = logging.getLogger("devgraph.config")
+logger = logging.getLogger(__name__)
 
 #: Keys a phase's JSON object may hold.
 PHASE_KEYS: tuple[str, ...] = (
@@ -50,8 +54,6 @@ PHASE_KEYS: tuple[str, ...] = (
     "max_graphs",
     "max_graph_bytes",
 )
-#: Backends that run the forward through torch.compile and so take ``compiler`` / ``inductor_mode``.
-COMPILING_BACKENDS: tuple[str, ...] = tuple(s.value for s in Strategy if s.accepts_compiler)
 COMPILERS: tuple[str, ...] = tuple(c.value for c in Compiler)
 #: Inductor modes that leave CUDA graphs to devgraph.
 INDUCTOR_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
@@ -68,39 +70,37 @@ MAX_GRAPH_BYTES_MAX = (1 << 63) - 1
 _CACHE_DIR_MAX_CHARS = 4096
 
 ModeNamesLookup = Callable[[], Iterable[str]]
-_mode_names_lookup: ModeNamesLookup | None = None
 
 
-def set_mode_names_lookup(lookup: ModeNamesLookup | None) -> None:
-    """Where :meth:`DeviceGraphConfig.parse` finds the registered mode names when none are passed.
+def registered_modes() -> list[str]:
+    """The mode names backends are registered under, on any platform (the registry loads on first use)."""
+    return get_registry().backend_names()
 
-    :mod:`devgraph.registry.plugins` installs the registry's list on import; without a lookup the built-in
-    strategy names are accepted.
-    """
-    global _mode_names_lookup
-    _mode_names_lookup = lookup
+
+def compiling_modes() -> list[str]:
+    """The registered mode names whose backend runs the forward through ``torch.compile`` (the strategy
+    class's ``accepts_compiler``): where ``compiler`` and ``inductor_mode`` mean something."""
+    return get_registry().compiling_names()
 
 
 class ModeNames:
-    """The accepted mode names, asked of the lookup at most once and only when a name needs checking."""
+    """The accepted mode names: those given, else the registered ones; asked for at most once and only when
+    a name needs checking."""
 
     def __init__(self, known: Iterable[str] | ModeNamesLookup | None) -> None:
-        self._source = known
+        self._source: Iterable[str] | ModeNamesLookup = registered_modes if known is None else known
         self._names: list[str] | None = None
 
     def names(self) -> list[str]:
         if self._names is None:
-            source = self._source if self._source is not None else _mode_names_lookup
-            names: Iterable[str] = (s.value for s in Strategy)
-            if source is not None:
-                try:
-                    names = source() if callable(source) else source
-                    names = list(names)
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as exc:  # the registry never raises; a caller's lookup might
-                    logger.warning("devgraph: mode names lookup failed (%s); accepting built-in names", exc)
-                    names = [s.value for s in Strategy]
+            source = self._source
+            try:
+                names = list(source() if callable(source) else source)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # the registry never raises; a caller's lookup might
+                logger.warning("devgraph: mode names lookup failed (%s); accepting built-in names", exc)
+                names = [s.value for s in Strategy]
             self._names = sorted(set(SPECIAL_MODES) | {n for n in names if isinstance(n, str)})
         return self._names
 
@@ -199,8 +199,15 @@ def check_field(key: str, value: Any, what: str, phase: str | None, modes: ModeN
 
 
 def compiler_ignored(
-    backend: str, prefix: str, key: str, value: object, resolved_from: str = ""
+    backend: str,
+    prefix: str,
+    key: str,
+    value: object,
+    resolved_from: str = "",
+    compiling: Iterable[str] | None = None,
 ) -> ConfigError:
+    """The error for ``compiler`` / ``inductor_mode`` on a backend that does not compile; ``compiling`` names
+    the modes that do (by default the registry's)."""
     how = (
         f"mode {resolved_from!r} resolves to backend {backend!r}, which"
         if resolved_from
@@ -208,17 +215,17 @@ def compiler_ignored(
     )
     return ConfigError(
         f"{prefix}{key} {shorten(value)} would be ignored: {how} does not compile; compiler and "
-        f"inductor_mode apply to backends {', '.join(COMPILING_BACKENDS)} (and auto where it resolves to one)"
+        f"inductor_mode apply to backends {', '.join(compiling_modes() if compiling is None else compiling)} "
+        "(and auto where it resolves to one)"
     )
 
 
 def check_combination(values: Mapping[str, Any], prefix: str) -> None:
     """Rules between the keys of one phase; ``prefix`` is ``"decode."`` or ``""``."""
     backend = values.get("backend") or SpecialMode.AUTO.value
-    if backend not in (*COMPILING_BACKENDS, SpecialMode.AUTO.value):
-        for key in ("compiler", "inductor_mode"):
-            if values.get(key) is not None:
-                raise compiler_ignored(backend, prefix, key, values[key])
+    compiling = [key for key in ("compiler", "inductor_mode") if values.get(key) is not None]
+    if compiling and backend != SpecialMode.AUTO.value and backend not in compiling_modes():
+        raise compiler_ignored(backend, prefix, compiling[0], values[compiling[0]])
     inductor_mode, compiler = values.get("inductor_mode"), values.get("compiler")
     if inductor_mode is not None and compiler != Compiler.INDUCTOR.value:
         raise ConfigError(
@@ -234,20 +241,22 @@ def check_combination(values: Mapping[str, Any], prefix: str) -> None:
                 )
 
 
-def check_backend_options(options: Mapping[str, Any], *, backend: str | None = None) -> dict[str, Any]:
+def check_backend_options(
+    options: Mapping[str, Any], *, backend: str | None = None, compiles: bool = True
+) -> dict[str, Any]:
     """Check the keys :class:`~devgraph.contract.backend.BackendOptions` types (``compiler``,
     ``inductor_mode``, ``on_recompile``, ``cache_dir``) and return them; other keys are left for the backend
     (``extra``).
 
-    With ``backend`` (a concrete backend name), ``compiler`` / ``inductor_mode`` on a backend that does not
-    compile is an error, as in the flag.
+    With ``backend`` (a concrete backend name) whose class does not compile (``compiles=False``),
+    ``compiler`` / ``inductor_mode`` is an error, as in the flag.
     """
     checked: dict[str, Any] = {}
     for key in ("compiler", "inductor_mode", "on_recompile", "cache_dir"):
         value = options.get(key)
         if value is not None:
             checked[key] = check_field(key, value, f"backend option {key}", None, None)
-    if backend is not None and backend not in COMPILING_BACKENDS:
+    if backend is not None and not compiles:
         for key in ("compiler", "inductor_mode"):
             if key in checked:
                 raise compiler_ignored(backend, "backend option ", key, checked[key])

@@ -24,10 +24,10 @@ from typing import Any
 import pluggy
 
 from devgraph.contract.backend import DeviceGraphBackend
+from devgraph.contract.modes import EAGER_MODES
 from devgraph.contract.phases import PHASES
 from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import BackendUnavailableError, RegistrationError
-from devgraph.flag.values import set_mode_names_lookup
 from devgraph.messages import describe_error, shorten
 from devgraph.registry import hookspecs
 from devgraph.registry.registration import (
@@ -114,7 +114,7 @@ class Registry:
         A plug-in's hook that asks the registry while it loads (``register_backend()`` at import) sees
         the load in progress; if loading itself fails, the registry stays empty and a later call retries.
         """
-        if self._loaded:
+        if self.loaded:
             return self
         with self._lock:
             if self._loaded or self._loader == threading.get_ident():
@@ -344,7 +344,21 @@ class Registry:
         return instance
 
     def backend_names(self) -> list[str]:
+        """Every mode name a backend is registered under, on any platform."""
         return sorted({name for _, name in self.backends})
+
+    def compiling_names(self) -> list[str]:
+        """The mode names whose registered backend, on some platform, runs the forward through
+        ``torch.compile`` (its class's ``accepts_compiler``): where the flag accepts ``compiler``."""
+        return sorted({name for (_, name), spec in self.backends.items() if spec.cls.accepts_compiler})
+
+    def accepts_compiler(self, platform: str, name: str) -> bool | None:
+        """Whether backend ``name`` on ``platform`` takes a compiler; ``None`` when none is registered there
+        (creating it will say so). ``eager`` and ``disabled`` never do."""
+        if name in EAGER_MODES:
+            return False
+        spec = self.backends.get((platform, name))
+        return spec.cls.accepts_compiler if spec is not None else None
 
 
 _registry: Registry | None = None
@@ -368,7 +382,3 @@ def reset_registry(registry: Registry | None = None) -> None:
     global _registry
     with _registry_lock:
         _registry = registry
-
-
-# parse() checks mode names against the registry without config importing it (no import circle).
-set_mode_names_lookup(lambda: get_registry().backend_names())

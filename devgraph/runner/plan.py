@@ -11,9 +11,10 @@ import torch
 from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.inputs import StaticInput
 from devgraph.errors import ConfigError
-from devgraph.flag.config import COMPILING_BACKENDS, DeviceGraphConfig
+from devgraph.flag.config import DeviceGraphConfig
 from devgraph.flag.factory import ResolvedPhase, create_backend, resolve_phase, resolve_platform
 from devgraph.messages import shorten
+from devgraph.registry.plugins import get_registry
 
 __all__ = ["check_inputs", "resolve_backend", "runner_device", "warmup_count"]
 
@@ -39,7 +40,8 @@ def resolve_backend(
     resolved = resolve_phase(config, phase, platform.name, features)
     if backend is None:
         options = resolved.backend_options()
-        if compiler is not None and "compiler" not in options and resolved.backend in COMPILING_BACKENDS:
+        compiles = get_registry().accepts_compiler(platform.name, resolved.backend)
+        if compiler is not None and "compiler" not in options and compiles:
             options["compiler"] = compiler
         backend = create_backend(
             device or platform.default_device(), phase, resolved.backend, options=options

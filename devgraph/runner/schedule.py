@@ -161,21 +161,21 @@ def tokens_per_request_for(phase: Phase, given: int | None) -> int | None:
     """Decode: 1; verify: ``1 + k`` (required); prefill/encode: none (requests vary)."""
     if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
         raise ConfigError(f"tokens_per_request must be a positive int, got {shorten(given)}")
+    if not phase.uniform:
+        if given is not None:
+            raise ConfigError(
+                f"{phase} steps have a varying number of tokens per request; drop tokens_per_request"
+            )
+        return None
     if phase is Phase.DECODE:
         if given not in (None, 1):
             raise ConfigError(f"decode has one token per request; use phase='verify' for {given} per request")
         return 1
-    if phase is Phase.VERIFY:
-        if given is None:
-            raise ConfigError(
-                "the verify phase needs tokens_per_request=1 + k (k draft tokens per request), e.g. 4 for k=3"
-            )
-        return given
-    if given is not None:
+    if given is None:
         raise ConfigError(
-            f"{phase} steps have a varying number of tokens per request; drop tokens_per_request"
+            "the verify phase needs tokens_per_request=1 + k (k draft tokens per request), e.g. 4 for k=3"
         )
-    return None
+    return given
 
 
 def _free_bytes(runner: Any) -> int | None:

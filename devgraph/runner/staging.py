@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from devgraph.contract.inputs import EDGE, StaticInput
-from devgraph.contract.keys import TOKENS, GraphKey
+from devgraph.contract.keys import REQUESTS, TOKENS, GraphKey
 from devgraph.errors import InputError
 from devgraph.messages import shorten
 
@@ -123,12 +123,12 @@ class StepValidator:
         for axis in self.axes:
             if axis in given:
                 resolved[axis] = _count(given[axis], f"{self.phase} run() counts[{axis!r}]")
-            elif tpr is not None and axis == "requests":
+            elif tpr is not None and axis == REQUESTS:
                 resolved[axis] = n // tpr
             else:
                 first = self._first_of_axis[axis]
                 resolved[axis] = inputs[first].shape[0] - self.specs[first].extra_rows
-            if tpr is not None and axis == "requests" and resolved[axis] != n // tpr:
+            if tpr is not None and axis == REQUESTS and resolved[axis] != n // tpr:
                 raise InputError(
                     f"{self.phase} step of {n} tokens at {tpr} per request has {n // tpr} requests, "
                     f"not {resolved[axis]}"

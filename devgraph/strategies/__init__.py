@@ -6,7 +6,4 @@ from devgraph.strategies.eager import EagerBackend
 from devgraph.strategies.full import FullGraphBackend
 from devgraph.strategies.tc_piecewise import TcPiecewiseBackend
 
-__all__ = ["BreakableBackend", "EagerBackend", "FullGraphBackend", "TcPiecewiseBackend", "STRATEGIES"]
-
-#: Strategy name -> class, the names users type in ``--device-graph-mode``.
-STRATEGIES = {cls.name: cls for cls in (FullGraphBackend, BreakableBackend, TcPiecewiseBackend, EagerBackend)}
+__all__ = ["BreakableBackend", "EagerBackend", "FullGraphBackend", "TcPiecewiseBackend"]

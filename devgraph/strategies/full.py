@@ -12,7 +12,7 @@ import torch
 from devgraph.contract.context import capture_flag
 from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import GraphKey
-from devgraph.contract.modes import Compiler
+from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import BackendUnavailableError
 from devgraph.strategies._base import GraphStrategy
@@ -52,7 +52,9 @@ class FullGraphBackend(GraphStrategy):
     ``compiler="eager"`` traces with dynamo but runs the traced graph as is (for debugging).
     """
 
-    name = "full"
+    name = Strategy.FULL.value
+    accepts_compiler = True
+    runs_breaks_eagerly = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
