@@ -5,11 +5,11 @@ every step; ``--device-graph-mode`` (see :func:`add_device_graph_args`) picks th
 """
 
 from devgraph._version import __version__
-from devgraph.contract.backend import BackendOptions, Batch, DeviceGraphBackend
+from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
 from devgraph.contract.breaks import BreakOp, graph_break
 from devgraph.contract.context import forward_context, get_forward_context, is_capturing, is_replaying
 from devgraph.contract.inputs import StaticInput
-from devgraph.contract.keys import REQUESTS, TOKENS, GraphKey
+from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.contract.modes import Compiler, SpecialMode, Strategy
 from devgraph.contract.phases import PHASES, Phase
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform

@@ -20,9 +20,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.contract.backend import Batch
 from devgraph.contract.context import capture_flag, forward_context, get_forward_context
-from devgraph.contract.keys import GraphKey
+from devgraph.contract.keys import Batch, GraphKey
 from devgraph.registry.plugins import Registry
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 from devgraph.strategies.plan import BreakCall

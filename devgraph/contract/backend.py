@@ -29,29 +29,13 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from devgraph.contract.inputs import StaticInput
-from devgraph.contract.keys import GraphKey
+from devgraph.contract.keys import Batch, GraphKey
 from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.errors import ConfigError, ReplayError
 
-__all__ = ["Batch", "BackendOptions", "DeviceGraphBackend", "OnRecompile"]
+__all__ = ["BackendOptions", "DeviceGraphBackend", "OnRecompile"]
 
 OnRecompile = Literal["warn", "raise"]
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One step as the dispatcher sees it: ``n`` real tokens, the real count of every other axis, the key
-    the step would replay, and the live ``context``."""
-
-    n: int
-    key: GraphKey
-    counts: Mapping[str, int] = field(default_factory=dict)
-    context: Any = None
-
-    @property
-    def size(self) -> int:
-        """The padded token count (``key.tokens``)."""
-        return self.key.tokens
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """``StaticInput``: how one per-step input is kept in a static buffer the graphs read.
 
-A leaf module (torch and devgraph's errors only) so backends, the runner and engines can all name it.
+Part of the contract: it imports torch, devgraph's errors and message helpers, and the axis name
+``TOKENS`` from :mod:`devgraph.contract.keys`, so backends, the runner and engines can all name it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``GraphKey``: what one captured graph is for — a size on each axis plus engine-declared variants.
+"""``GraphKey``: what one captured graph is for — a size on each axis plus engine-declared variants — and
+``Batch``: one step, which pads up to a key.
 
 A key is small, hashable and ordered, so backends can keep graphs in a dict and the runner can capture
 largest first. ``tokens`` is the phase's primary size (a decode batch size, a prefill token count); every
@@ -10,10 +11,10 @@ specialised for (``lora=True``, a uniform query length).
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GraphKey", "TOKENS", "REQUESTS"]
+__all__ = ["Batch", "GraphKey", "TOKENS", "REQUESTS"]
 
 #: The primary axis of every phase: the number of rows the step's size counts.
 TOKENS = "tokens"
@@ -73,3 +74,27 @@ class GraphKey:
         parts += [f"{name}={value}" for name, value in self.axes]
         parts += [f"{name}={value!r}" for name, value in self.variant]
         return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step of a runner: ``n`` real tokens and the real count of every axis (``tokens`` included).
+
+    ``GraphRunner.run`` validates a step into a Batch before anything is written; once the dispatcher has
+    picked the ``key`` the step would replay, a backend's ``can_run`` sees the Batch with that key and the
+    step's live ``context``.
+    """
+
+    n: int
+    key: GraphKey | None = None
+    counts: Mapping[str, int] = field(default_factory=dict)
+    context: Any = None
+
+    @property
+    def size(self) -> int:
+        """The padded token count (``key.tokens``; ``n`` before a key is chosen)."""
+        return self.key.tokens if self.key is not None else self.n
+
+    def routed(self, key: GraphKey, context: Any) -> Batch:
+        """This step as a backend's ``can_run`` sees it: on ``key``, with the live ``context``."""
+        return Batch(self.n, key, self.counts, context)

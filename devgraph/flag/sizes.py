@@ -22,6 +22,7 @@ __all__ = [
     "HARD_MAX_SIZE",
     "MAX_SIZE_COUNT",
     "SizeSchedule",
+    "bucket_index",
     "check_size",
     "default_max_size",
     "device_max_size",
@@ -139,6 +140,13 @@ def default_max_size(phase: str, free_bytes: int | None) -> int:
     return _MAX_LARGEST[0] if decode else _MAX_LARGEST[1]
 
 
+def bucket_index(sizes: Sequence[int], n: int) -> int:
+    """Where ``n`` pads to among ascending ``sizes``: the position of the smallest size ``>= n``, or
+    ``len(sizes)`` when none holds it. The one bucketing rule: :meth:`SizeSchedule.bucket` and the runner's
+    dispatcher (for tokens and for every other axis) both use it."""
+    return bisect.bisect_left(sizes, n)
+
+
 @dataclass(frozen=True)
 class SizeSchedule:
     """Captured sizes in ascending order and the bucket lookup over them (by bisection, O(log n))."""
@@ -167,7 +175,7 @@ class SizeSchedule:
         """The smallest captured size >= ``n``, or ``None`` when ``n`` is past the largest."""
         if not 0 <= n <= self.sizes[-1]:
             return None
-        return self.sizes[bisect.bisect_left(self.sizes, n)]
+        return self.sizes[bucket_index(self.sizes, n)]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.sizes)

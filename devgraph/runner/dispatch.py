@@ -8,19 +8,19 @@ every reason, so no eager fallback is silent.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from devgraph.contract.keys import TOKENS, GraphKey
+from devgraph.contract.modes import Word
+from devgraph.flag.sizes import bucket_index
 from devgraph.runner.schedule import KeySchedule
 
 __all__ = ["Decision", "Dispatcher", "EagerReason"]
 
 
-class EagerReason(str, Enum):
+class EagerReason(Word):
     """Why a step ran eagerly."""
 
     DISABLED = "disabled"  # the phase's mode captures no graphs (disabled / eager)
@@ -30,9 +30,6 @@ class EagerReason(str, Enum):
     VARIANT_NOT_CAPTURED = "variant_not_captured"  # a variant value that was not declared for capture
     NOT_CAPTURED = "not_captured"  # the key exists in the schedule but holds no graph
     BACKEND_DECLINED = "backend_declined"  # backend.can_run() said no for this step
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class Dispatcher:
         """The key a step of ``counts`` would replay if captured, else the reason it cannot."""
         n = counts[TOKENS]
         tokens = self._tokens
-        i = bisect.bisect_left(tokens, n)
+        i = bucket_index(tokens, n)
         if i == len(tokens):
             return Decision(None, EagerReason.PAST_LARGEST)
         if self._simple:
@@ -72,7 +69,7 @@ class Dispatcher:
             sizes = {}
             for axis in self._axes:
                 options = buckets[t][axis]
-                j = bisect.bisect_left(options, counts[axis])
+                j = bucket_index(options, counts[axis])
                 if j == len(options):
                     break
                 sizes[axis] = options[j]

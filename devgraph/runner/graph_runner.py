@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.backend import Batch, DeviceGraphBackend
+from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.context import forward_context
 from devgraph.contract.inputs import StaticInput
-from devgraph.contract.keys import REQUESTS, GraphKey
+from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.contract.phases import Phase
 from devgraph.errors import ConfigError, InputError
 from devgraph.flag.config import DeviceGraphConfig
 from devgraph.messages import shorten
-from devgraph.ranks import CaptureSync, check_lockstep, rank_of, release_backend, track_runner
+from devgraph.ranks import CaptureSync, assert_same_key, rank_of, release_backend, track_runner
 from devgraph.runner.capture.lazy import LazyGraphs, LazyPolicy
 from devgraph.runner.capture.loop import (
     CaptureJob,
@@ -41,7 +41,7 @@ from devgraph.runner.outputs.layout import OutputLayout, check_output_axes
 from devgraph.runner.outputs.trees import copy_into_out, copy_tree
 from devgraph.runner.plan import check_inputs, resolve_backend, runner_device, warmup_count
 from devgraph.runner.schedule import AxisSizes, schedule_for
-from devgraph.runner.staging import StaticBuffers, Step, StepValidator
+from devgraph.runner.staging import StaticBuffers, StepValidator
 from devgraph.runner.state import as_state
 from devgraph.runner.stats import RunnerStats
 from devgraph.runner.verify import VerifyResult, compare
@@ -174,7 +174,7 @@ class GraphRunner:
         """The token size a step of ``n`` tokens would replay now (``None``: it would run eagerly)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             return None
-        counts = {"tokens": n, **{a: 1 for a in self.schedule.axis_names}}
+        counts = {TOKENS: n, **{a: 1 for a in self.schedule.axis_names}}
         variant = {name: values[0] for name, values in self.schedule.variants.items()}
         key = self._route(counts, variant).key  # no per-step context here, so no backend veto
         return key.tokens if key is not None else None
@@ -285,13 +285,9 @@ class GraphRunner:
                 return copy_into_out(result, out)
             return copy_tree(result) if copy else result
 
-    def _decide(self, step: Step, variant: Mapping[str, Any], context: Any) -> Decision:
+    def _decide(self, step: Batch, variant: Mapping[str, Any], context: Any) -> Decision:
         backend = self.backend
-        can_run = (
-            (lambda key: backend.can_run(Batch(step.n, key, step.counts, context)))
-            if self._check_can_run
-            else None
-        )
+        can_run = (lambda key: backend.can_run(step.routed(key, context))) if self._check_can_run else None
         return self._route(step.counts, variant, can_run)
 
     def _route(
@@ -315,7 +311,7 @@ class GraphRunner:
 
     def _step(
         self,
-        step: Step,
+        step: Batch,
         variant: dict[str, Any],
         context: Any,
         inputs: Mapping[str, torch.Tensor],
@@ -325,7 +321,7 @@ class GraphRunner:
         decision = self._decide(step, variant, context)
         key = decision.key
         if self.check_lockstep:
-            check_lockstep(self.process_group, key)
+            assert_same_key(self.process_group, key)
         if key is None:
             if count:
                 self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]

@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from devgraph.contract.inputs import EDGE, StaticInput
-from devgraph.contract.keys import REQUESTS, TOKENS, GraphKey
+from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.errors import InputError
 from devgraph.messages import shorten
 
-__all__ = ["StaticBuffers", "Step", "StepValidator", "leading_rows"]
-
-
-@dataclass(frozen=True)
-class Step:
-    """A validated step: ``n`` real tokens and the real count of every axis (``tokens`` included)."""
-
-    n: int
-    counts: Mapping[str, int]
+__all__ = ["StaticBuffers", "StepValidator", "leading_rows"]
 
 
 def _count(value: Any, what: str) -> int:
@@ -72,8 +63,9 @@ class StepValidator:
         counts: Mapping[str, Any] | None,
         variant: Mapping[str, Any] | None,
         inputs: Mapping[str, Any],
-    ) -> tuple[Step, dict[str, Any]]:
-        """The validated :class:`Step` and variant; :class:`InputError` before anything is written."""
+    ) -> tuple[Batch, dict[str, Any]]:
+        """The validated :class:`~devgraph.contract.keys.Batch` (no key yet) and variant; :class:`InputError`
+        before anything is written."""
         if inputs.keys() != self._names:
             missing = sorted(self._names - inputs.keys())
             extra = sorted(inputs.keys() - self._names)
@@ -97,7 +89,7 @@ class StepValidator:
             self._check_tensor(name, value, step.counts)
         return step, self._variant(variant)
 
-    def _counts(self, n: Any, counts: Mapping[str, Any] | None, inputs: Mapping[str, torch.Tensor]) -> Step:
+    def _counts(self, n: Any, counts: Mapping[str, Any] | None, inputs: Mapping[str, torch.Tensor]) -> Batch:
         given = dict(counts or {})
         unknown = sorted(set(given) - set(self.axes))
         if unknown:
@@ -133,7 +125,7 @@ class StepValidator:
                     f"{self.phase} step of {n} tokens at {tpr} per request has {n // tpr} requests, "
                     f"not {resolved[axis]}"
                 )
-        return Step(n, resolved)
+        return Batch(n, counts=resolved)
 
     def _check_tensor(self, name: str, value: torch.Tensor, counts: Mapping[str, int]) -> None:
         spec = self.specs[name]

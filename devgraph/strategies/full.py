@@ -23,11 +23,13 @@ from devgraph.strategies.compiling import (
     inductor_compile,
 )
 
-__all__ = ["FullGraphBackend"]
+__all__ = ["FullEntry", "FullGraphBackend"]
 
 
 @dataclass
-class _FullEntry:
+class FullEntry:
+    """What ``full`` keeps per key: the graph and the outputs its capture returned."""
+
     graph: DeviceGraph
     outputs: Any
 
@@ -93,7 +95,7 @@ class FullGraphBackend(GraphStrategy):
             # Save new artifacts; from here on a compile means a guard failed at run time: a bug to report.
             self.compile.captured()
 
-    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> _FullEntry:
+    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> FullEntry:
         platform = self.platform
         graph = platform.new_graph()
         platform.capture_begin(graph, self._pool)
@@ -107,7 +109,7 @@ class FullGraphBackend(GraphStrategy):
             platform.abort_capture(graph)
             raise
         platform.capture_end(graph)
-        return _FullEntry(graph, outputs)
+        return FullEntry(graph, outputs)
 
     def cleanup(self) -> None:
         super().cleanup()
