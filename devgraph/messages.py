@@ -1,9 +1,18 @@
-"""How devgraph's messages show what they talk about: a value cut to a readable length, a value's kind,
-an exception on one line. A root leaf: it imports nothing of devgraph, so every layer may use it."""
+"""How devgraph's messages show what they talk about (a value cut to a readable length, a value's kind, an
+exception on one line), and the texts several layers and plug-ins share. A root leaf: it imports nothing of
+devgraph, so every layer, and every plug-in, may use it."""
 
 from __future__ import annotations
 
-__all__ = ["describe_error", "kind", "shorten"]
+__all__ = ["HOST_SYNC", "HOST_SYNC_ADVICE", "describe_error", "kind", "shorten"]
+
+#: The cause every platform names when a capture fails on a host sync or a call a graph cannot hold.
+HOST_SYNC = "an op synchronized with the host or used a non-capturable API"
+#: What to do about it; the capture advice and each platform's translated error add what is their own.
+HOST_SYNC_ADVICE = (
+    "remove host reads (.item(), .tolist(), .cpu(), bool(tensor), printing) and data-dependent shapes "
+    "(nonzero, boolean-mask indexing) from the captured forward, or make that op a @devgraph.graph_break op"
+)
 
 
 def shorten(value: object, limit: int = 60) -> str:

@@ -36,7 +36,7 @@ __all__ = [
     "resolve_platform",
 ]
 
-logger = logging.getLogger("devgraph.factory")
+logger = logging.getLogger(__name__)
 
 #: The keys of ``create_backend(options=...)`` that :class:`BackendOptions` types; the rest go to ``extra``.
 _TYPED_OPTIONS = ("compiler", "inductor_mode", "on_recompile", "cache_dir")

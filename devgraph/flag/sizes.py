@@ -29,7 +29,7 @@ __all__ = [
     "resolve_sizes",
 ]
 
-logger = logging.getLogger("devgraph.sizes")
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 

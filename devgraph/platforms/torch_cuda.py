@@ -16,6 +16,7 @@ import torch
 
 from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError
+from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
 
 __all__ = ["TorchCudaGraphPlatform"]
 
@@ -114,10 +115,7 @@ class TorchCudaGraphPlatform(GraphPlatform):
             or "cudaErrorStreamCaptureUnsupported" in text
         ):
             return CaptureError(
-                "an op synchronized with the host or used a non-capturable API during capture "
-                f"({text.splitlines()[0]}); remove .item()/.tolist()/.cpu()/nonzero and data-dependent "
-                "shapes from the captured forward, or make that op a @devgraph.graph_break op",
-                size=size,
+                f"{HOST_SYNC} during capture ({text.splitlines()[0]}); {HOST_SYNC_ADVICE}", size=size
             )
         return None
 

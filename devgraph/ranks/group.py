@@ -23,7 +23,7 @@ from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
 from devgraph.messages import describe_error
 
-logger = logging.getLogger("devgraph.ranks")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_RANK_TIMEOUT_S",

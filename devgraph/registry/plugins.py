@@ -53,7 +53,7 @@ __all__ = [
     "reset_registry",
 ]
 
-logger = logging.getLogger("devgraph.plugins")
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "devgraph"
 BUILTIN_NAME = "builtin"

@@ -19,7 +19,7 @@ from devgraph.messages import describe_error, shorten
 
 __all__ = ["BUILTIN_RULES", "CompatibilityRule", "Downgrade", "RuleErrorHandler", "apply_rules", "check_rule"]
 
-logger = logging.getLogger("devgraph.rules")
+logger = logging.getLogger(__name__)
 
 #: Called with the rule whose predicate raised and the exception (the registry records it on the plug-in).
 RuleErrorHandler = Callable[["CompatibilityRule", BaseException], None]

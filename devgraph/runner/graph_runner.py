@@ -48,7 +48,7 @@ from devgraph.runner.verify import VerifyResult, compare
 
 __all__ = ["GraphRunner"]
 
-logger = logging.getLogger("devgraph.runner")
+logger = logging.getLogger(__name__)
 
 #: Keywords of run() and verify(): an input may not use these names.
 RESERVED_NAMES = frozenset({"n", "context", "counts", "variant", "copy", "out", "rtol", "self"})

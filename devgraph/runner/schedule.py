@@ -27,7 +27,7 @@ from devgraph.messages import shorten
 
 __all__ = ["AxisSizes", "KeySchedule", "schedule_for", "tokens_per_request_for"]
 
-logger = logging.getLogger("devgraph.runner")
+logger = logging.getLogger(__name__)
 
 AxisSizes = int | Sequence[int] | Mapping[int, Sequence[int]] | Callable[[int], Sequence[int]]
 

@@ -38,7 +38,7 @@ __all__ = [
     "inductor_compile",
 ]
 
-logger = logging.getLogger("devgraph.compile")
+logger = logging.getLogger(__name__)
 
 
 def check_compiler(compiler: str | None, strategy: str) -> str | None:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NpuFullGraphBackend"]
 
-logger = logging.getLogger("devgraph_npu")
+logger = logging.getLogger(__name__)
 
 
 class NpuFullGraphBackend(FullGraphBackend):

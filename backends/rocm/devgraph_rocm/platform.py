@@ -20,6 +20,7 @@ import torch
 
 from devgraph.contract.platform import Availability
 from devgraph.errors import CaptureError
+from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
 from devgraph.platforms.torch_cuda import TorchCudaGraphPlatform
 
 __all__ = ["RocmPlatform", "ROCM_ON_CUDA_ENV", "rocm_on_cuda"]
@@ -100,10 +101,8 @@ class RocmPlatform(TorchCudaGraphPlatform):
             )
         if _CAPTURE_UNSUPPORTED.search(text):
             return CaptureError(
-                "an op synchronized with the host or used a non-capturable HIP API during capture "
-                f"({first[:160]}); "
-                "remove .item()/.tolist()/.cpu()/nonzero and data-dependent shapes from the captured "
-                "forward, or make that op a @devgraph.graph_break op (run with tc_piecewise on ROCm)",
+                f"{HOST_SYNC} of HIP during capture ({first[:160]}); {HOST_SYNC_ADVICE} (run with "
+                "tc_piecewise on ROCm)",
                 size=size,
             )
         return super().translate_capture_error(error, size)

@@ -31,7 +31,7 @@ from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = ["DevgraphDecoder"]
 
-logger = logging.getLogger("devgraph.integrations.transformers")
+logger = logging.getLogger(__name__)
 
 
 def _positive(value: Any, name: str) -> int:

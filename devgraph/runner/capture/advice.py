@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from devgraph.errors import CaptureError, RecompileError
+from devgraph.messages import HOST_SYNC_ADVICE
 
 __all__ = ["Cause", "diagnose"]
 
@@ -95,15 +96,10 @@ def _dynamo(phase: str, max_size: int, backend: str) -> str:
 
 
 def _host_sync(phase: str, max_size: int, backend: str) -> str:
-    return (
-        "remove host reads (.item(), .tolist(), .cpu(), bool(tensor), printing) and data-dependent shapes "
-        "(nonzero, boolean-mask indexing) from the captured forward; read per-step host values from the "
-        "forward context, or wrap the op in a @devgraph.graph_break op"
-        + (
-            " (already under breakable: the op itself must be the break op)"
-            if backend == "breakable"
-            else f" and use --device-graph-mode '{phase}=breakable' so it runs eagerly between graph segments"
-        )
+    return f"{HOST_SYNC_ADVICE}; read per-step host values from the forward context" + (
+        " (already under breakable: the op itself must be the break op)"
+        if backend == "breakable"
+        else f" and use --device-graph-mode '{phase}=breakable' so it runs eagerly between graph segments"
     )
 
 

@@ -16,7 +16,7 @@ from devgraph.messages import shorten
 
 __all__ = ["probe_layout"]
 
-logger = logging.getLogger("devgraph.runner")
+logger = logging.getLogger(__name__)
 
 
 def _probe_sizes(runner: Any, key: GraphKey) -> dict[str, int]:

@@ -41,7 +41,7 @@ from devgraph.serve.engine.request import FinishReason, RequestOutput
 
 __all__ = ["ServerState", "build_app"]
 
-logger = logging.getLogger("devgraph.serve")
+logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 

@@ -31,7 +31,7 @@ from devgraph.serve.engine.loop import EngineLoop
 
 __all__ = ["build_engine", "check_kv_memory", "device_defaults", "listen_url", "serve"]
 
-logger = logging.getLogger("devgraph.serve")
+logger = logging.getLogger(__name__)
 
 #: Seconds handlers may still run once the drain is over (aiohttp's shutdown timeout).
 SHUTDOWN_GRACE = 1.0

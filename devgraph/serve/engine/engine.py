@@ -35,7 +35,7 @@ from devgraph.serve.engine.scheduler import Scheduler
 
 __all__ = ["Engine", "check_warm_up_fits"]
 
-logger = logging.getLogger("devgraph.serve.engine")
+logger = logging.getLogger(__name__)
 
 #: The start-up warm-up's longer prompt (tokens), cut to the context.
 WARMUP_PROMPT = 100

@@ -15,7 +15,7 @@ from devgraph.flag.config import DeviceGraphConfig
 
 __all__ = ["cap_phase_sizes"]
 
-logger = logging.getLogger("devgraph.serve.engine")
+logger = logging.getLogger(__name__)
 
 
 def cap_phase_sizes(config: DeviceGraphConfig, phase: str, limit: int, why: str) -> DeviceGraphConfig:

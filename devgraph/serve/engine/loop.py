@@ -24,7 +24,7 @@ from devgraph.serve.engine.request import FinishReason, RequestOutput, SamplingP
 
 __all__ = ["EngineClosed", "EngineLoop", "Sink"]
 
-logger = logging.getLogger("devgraph.serve.engine")
+logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestOutput], None]
 
