@@ -1,8 +1,11 @@
-"""The ``devgraph`` command: ``info`` (what is installed and usable here) and ``demo``.
+"""The ``devgraph`` command: ``info`` (what is installed and usable here), ``demo``, ``serve`` and ``bench``.
 
-Every bad argument is a one-line usage error (``devgraph demo: error: ...``, exit code 2), found before
-anything runs: argparse ``type=`` checks the form of each value, :func:`check_demo_args` what needs the
-machine (is the device usable here, is the ``--json`` path writable).
+Every error is one line in argparse's style, prefixed by the command that failed
+(``devgraph demo: error: ...``, ``devgraph serve: error: ...``; ``devgraph: error: ...`` before a command
+is known), exit code 2. Bad arguments are found before anything runs: argparse ``type=`` checks the form
+of each value, :func:`check_demo_args` what needs the machine (is the device usable here, is the
+``--json`` path writable). A bare ``devgraph`` (or ``devgraph bench``) prints its help and the commands
+to stderr and exits 2, like any argparse program missing a required argument.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from devgraph._version import __version__
 from devgraph.config import DeviceGraphConfig, device_graph_mode_type
 from devgraph.errors import BackendUnavailableError, ConfigError, DevGraphError
-from devgraph.factory import platform_availability, resolve_platform
+from devgraph.factory import resolve_platform, usable_platform
 from devgraph.modes import shorten
 from devgraph.sizes import check_size_list
 
@@ -27,11 +31,16 @@ MAX_SEED = (1 << 63) - 1
 MAX_ITERS = 100_000
 
 
+def error_line(prog: str, message: object) -> str:
+    """The one error style of every command: ``devgraph serve: error: <message on one line>``."""
+    return f"{prog}: error: {' '.join(str(message).split())}"
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """Argument errors as one line, no usage dump: servers' logs and CI output stay readable."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+        self.exit(2, error_line(self.prog, message) + "\n")
 
 
 def _int_in(text: str, low: int, high: int) -> int:
@@ -95,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog="devgraph", description="Device-graph capture and replay for PyTorch engines"
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    parser.add_argument("--version", action="version", version=f"devgraph {__version__}")
+    parser.set_defaults(command_parser=parser)
+    # Not required=True: a bare `devgraph` gets the help and the list of commands, not only an error line.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
     info = sub.add_parser("info", help="platforms, plug-ins and backends, and what is usable here")
+    info.set_defaults(command_parser=info)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     demo = sub.add_parser("demo", help="run the reference model eagerly and through graphs; print a table")
     demo.set_defaults(command_parser=demo)
@@ -152,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     bench = sub.add_parser("bench", help="load benchmarks (bench serve: a trace against a running server)")
-    add_bench_serve_parser(bench.add_subparsers(dest="bench", required=True, parser_class=_OneLineParser))
+    bench.set_defaults(command_parser=bench)
+    add_bench_serve_parser(
+        bench.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=_OneLineParser)
+    )
     return parser
 
 
@@ -182,15 +198,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
     gives). ``main`` turns it into a usage error; ``run_demo`` may call it again for namespaces built in code.
     """
     DeviceGraphConfig.parse(getattr(args, "device_graph_mode", None))
-    device = getattr(args, "device", None)
-    if device is not None:
-        platform = resolve_platform(device)
-        availability = platform_availability(platform)
-        if not availability:
-            raise BackendUnavailableError(
-                f"--device {shorten(str(device))}: platform {platform.name!r} is unusable here: "
-                f"{availability.reason}"
-            )
+    usable_platform(getattr(args, "device", None))
     _check_range("iters", getattr(args, "iters", None), 1, MAX_ITERS)
     _check_range("seed", getattr(args, "seed", 0), 0, MAX_SEED)
     for phase in ("decode", "prefill"):
@@ -201,8 +209,22 @@ def check_demo_args(args: argparse.Namespace) -> None:
         _check_writable(args.json)
 
 
+def _missing_command(parser: argparse.ArgumentParser, choices: str) -> int:
+    """A bare ``devgraph`` or ``devgraph bench``: the help (the commands and what they do) and an error
+    line on stderr, exit code 2 (argparse's code for a missing argument)."""
+    parser.print_help(sys.stderr)
+    print(error_line(parser.prog, f"a command is required: {choices}"), file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        return _missing_command(parser, "info, demo, serve or bench")
+    if args.command == "bench" and args.bench is None:
+        return _missing_command(args.command_parser, "serve")
+    prog = args.command_parser.prog
     try:
         if args.command == "info":
             from devgraph._info import run_info
@@ -222,11 +244,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(args)
     except DevGraphError as exc:
-        print(f"devgraph: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(error_line(prog, exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("devgraph: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`devgraph info | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail again
+        os.close(devnull)
+        return 0
 
 
 if __name__ == "__main__":

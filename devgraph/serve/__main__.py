@@ -1,5 +1,9 @@
-"""``python -m devgraph.serve [flags]``: run the server (``bench [flags]``: the load generator)."""
+"""``python -m devgraph.serve [flags]`` is ``devgraph serve [flags]``; ``python -m devgraph.serve bench
+[flags]`` is ``devgraph bench serve [flags]``."""
 
-from devgraph._serve_cli import serve_main
+import sys
 
-raise SystemExit(serve_main())
+from devgraph.cli import main
+
+_argv = sys.argv[1:]
+raise SystemExit(main(["bench", "serve", *_argv[1:]] if _argv[:1] == ["bench"] else ["serve", *_argv]))
