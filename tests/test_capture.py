@@ -196,3 +196,33 @@ def test_a_forward_that_takes_only_some_sizes_still_captures_when_the_layout_pro
         runner.capture()
     assert any("output_axes" in r.getMessage() for r in caplog.records)
     assert runner.run(x=torch.ones(16, 2)).shape == (16, 2)
+
+
+# -- progress: a bar on a terminal, a log line per key elsewhere (a server's log shows start-up moving) --
+def test_show_progress_is_a_bar_on_a_terminal_and_log_lines_elsewhere(monkeypatch):
+    from devgraph.runner.capture.loop import show_progress
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert show_progress(None, rank=0) == "log" and show_progress(None, rank=1) == "off"
+    assert show_progress(False, rank=0) == "log"  # no bar asked for; the lines still follow the log level
+    assert show_progress(True, rank=0) == "bar"
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert show_progress(None, rank=0) == "bar" and show_progress(None, rank=1) == "off"
+
+
+def test_capture_off_a_terminal_logs_one_line_per_key(caplog, monkeypatch):
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    with caplog.at_level(logging.INFO, logger="devgraph.runner.capture.loop"):
+        make(Recorder()).capture()
+    lines = [r.getMessage() for r in caplog.records if r.name == "devgraph.runner.capture.loop"]
+    assert [line.split(" (")[0] for line in lines] == [
+        "captured decode graph 1/3",
+        "captured decode graph 2/3",
+        "captured decode graph 3/3",
+    ]
+    assert "tokens=4" in lines[0] and "full" in lines[0] and lines[0].endswith(" s")
+    caplog.clear()
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)  # a terminal: the bar, and no lines
+    with caplog.at_level(logging.INFO, logger="devgraph.runner.capture.loop"):
+        make(Recorder()).capture()
+    assert not [r for r in caplog.records if r.name == "devgraph.runner.capture.loop"]

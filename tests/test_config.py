@@ -309,3 +309,33 @@ def test_capped_returns_the_same_config_when_nothing_exceeds_the_limit() -> None
     config = DeviceGraphConfig.parse('{"decode": {"backend": "full", "sizes": [1, 2], "max_size": 4}}')
     assert config.capped("decode", 4) == (config, "")
     assert DeviceGraphConfig.parse("auto").capped("prefill", 1) == (DeviceGraphConfig.parse("auto"), "")
+
+
+# -- names are exact (lower case, as documented); every near miss names the one meant ------------------
+@pytest.mark.parametrize(
+    ("value", "meant"),
+    [
+        ("FULL", "full"),  # case alone: difflib on the raw names found nothing
+        ("AUTO", "auto"),
+        ("decode=FULL", "full"),
+        ("DECODE=full", "decode"),
+        ("Decode=full", "decode"),  # raw difflib suggested 'encode'
+        ("TC-PIECEWISE", "tc_piecewise"),
+        ("decode=tc-piecewise", "tc_piecewise"),
+        ('{"Decode": "full"}', "decode"),
+        ('{"decode": {"Backend": "full"}}', "backend"),
+        ('{"decode": {"MAX-SIZE": 8}}', "max_size"),
+        ('{"decode": {"backend": "full", "compiler": "INDUCTOR"}}', "inductor"),
+        ('{"decode": {"on_recompile": "Raise"}}', "raise"),
+        ('{"decode": {"backend": "full", "compiler": "inductor", "inductor_mode": "Default"}}', "default"),
+        ("decode=ful", "full"),
+    ],
+)
+def test_every_closed_set_of_names_hints_the_name_meant(value, meant):
+    message = _error(value)
+    assert f"(did you mean {meant!r}?)" in message and "; accepted: " in message
+
+
+def test_names_far_from_every_accepted_one_get_no_hint():
+    message = _error("decode=xyzzy")
+    assert "did you mean" not in message and "accepted: auto, breakable" in message

@@ -169,6 +169,18 @@ def test_warm_up_on_a_cache_too_small_for_it_names_the_flag_to_raise() -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("max_seq_len", [2, 3])
+def test_the_warm_up_fits_the_smallest_context(max_seq_len: int) -> None:
+    # `devgraph serve --max-seq-len 2` used to fail on the warm-up's own request (1 + 2 tokens).
+    short = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4, max_seq_len=max_seq_len), seed=0)
+    engine = _engine(short)
+    engine.warm_up()
+    assert engine.allocator.num_free == engine.allocator.capacity
+    outputs = engine.generate([[5]], SamplingParams(max_tokens=max_seq_len - 1))
+    assert len(outputs[0]) == max_seq_len - 1
+    engine.close()
+
+
 def test_flag_sizes_past_the_engine_limits_are_capped_with_a_warning(
     model: ReferenceModel, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -407,9 +407,15 @@ def test_backend_triton_missing_says_what_to_install(monkeypatch: pytest.MonkeyP
     backends._load_triton.cache_clear()
     try:
         assert available_backends() == ("torch",)
-        with pytest.raises(BackendUnavailableError, match="pip install triton"):
+        with pytest.raises(BackendUnavailableError, match=r"pip install 'devgraph\[triton\]'"):
             attention_backend("triton")
         assert attention_backend("auto").name == "auto"  # still usable: falls back to the reference
+        # The demo prints and the server logs why a GPU runs the reference kernels; never on the CPU.
+        note = backends.auto_fallback_note("auto", torch.device("cuda"))
+        assert note is not None and "triton, which is not installed: pip install 'devgraph[triton]'" in note
+        assert "torch reference attention" in note
+        assert backends.auto_fallback_note("auto", torch.device("cpu")) is None
+        assert backends.auto_fallback_note("torch", torch.device("cuda")) is None
     finally:
         backends._load_triton.cache_clear()
 

@@ -236,6 +236,84 @@ def test_bad_input_gets_a_4xx_json_error_and_the_server_keeps_serving(
     assert server.request("GET", "/health") == (200, {"status": "ok"})
 
 
+def _raw(server: Server, method: str, path: str, body: bytes | None) -> tuple[int, str, Any, str]:
+    """Status, Content-Type, the JSON body and the Allow header of one request (any method)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request(method, path, body)
+    response = connection.getresponse()
+    raw = response.read()
+    connection.close()
+    content_type = response.headers.get("Content-Type", "")
+    return response.status, content_type, json.loads(raw) if raw else None, response.headers.get("Allow", "")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "needle"),
+    [
+        ("GET", "/nope", None, 404, "GET '/nope': Not Found; routes: POST /v1/completions, GET /v1/models"),
+        ("POST", "/v1/chat/completions", b"{}", 404, "Not Found; routes:"),
+        ("GET", "/v1/completions", None, 405, "Method Not Allowed"),
+        ("DELETE", "/health", None, 405, "Method Not Allowed"),
+        ("PUT", "/v1/models", b"{}", 405, "Method Not Allowed"),
+        ("POST", "/v1/completions", b"{bad", 400, "not valid JSON"),
+        ("POST", "/v1/completions", b"x" * (1 << 21), 413, "too large"),
+    ],
+)
+def test_every_route_answers_every_error_as_openai_json(
+    server: Server, method: str, path: str, body: bytes | None, status: int, needle: str
+) -> None:
+    got, content_type, payload, allow = _raw(server, method, path, body)
+    assert (got, content_type.split(";")[0]) == (status, "application/json"), payload
+    assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}
+    assert needle in payload["error"]["message"] and payload["error"]["code"] == status
+    assert payload["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    if status == 405:
+        assert allow, "405 names the methods the route takes"
+
+
+def test_unexpected_failures_and_a_missing_metrics_extra_are_json_too() -> None:
+    """In-process: a handler that raises (a bug) answers 500 JSON; /metrics without prometheus_client
+    answers 501 JSON with the install hint."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from devgraph.serve.api.app import ServerState, build_app
+
+    async def broken(request: Any) -> Any:
+        raise RuntimeError("a bug in a handler")
+
+    async def main() -> list[tuple[int, dict[str, Any]]]:
+        app = build_app(ServerState(engine=None, model_name="tiny", metrics=None, max_queued=1))  # type: ignore[arg-type]
+        app.router.add_get("/broken", broken)
+        answers = []
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            for path in ("/broken", "/metrics"):
+                response = await client.get(path)
+                answers.append((response.status, await response.json()))
+        return answers
+
+    (status, broken_body), (metrics_status, metrics_body) = asyncio.run(main())
+    assert status == 500 and broken_body["error"]["type"] == "server_error"
+    assert "see its log" in broken_body["error"]["message"]
+    assert metrics_status == 501
+    assert metrics_body["error"]["message"] == (
+        "GET /metrics needs prometheus_client, which is not installed: pip install 'devgraph[serve]'"
+    )
+
+
+def test_start_up_logs_each_stage_when_stderr_is_not_a_terminal(server: Server) -> None:
+    # The server fixture's stderr is a pipe: no bar, one INFO line per stage and per captured graph.
+    log = "".join(server.stderr)
+    for line in (
+        "devgraph.serve.api.server INFO building the model: preset 'tiny'",
+        "devgraph.serve.api.server INFO model ready in",
+        "devgraph.serve.api.server INFO capturing graphs (--device-graph-mode auto)",
+        "devgraph.runner.capture.loop INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
+        "devgraph.runner.capture.loop INFO captured prefill graph 1/1",
+        "devgraph.serve.api.server INFO warm-up requests served in",
+    ):
+        assert line in log, log[-3000:]
+
+
 def test_a_client_that_stalls_mid_body_gets_408_after_the_body_timeout(server: Server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=15) as sock:
         start = time.monotonic()
@@ -449,6 +527,31 @@ def test_a_kv_cache_too_large_for_memory_or_too_small_for_the_warm_up_is_refused
         ConfigError, match="too small for the start-up warm-up.*--num-blocks\\) to at least 8"
     ):
         server_module.build_engine(args)
+
+
+def test_start_up_errors_name_the_flags_the_user_set_and_values_that_work() -> None:
+    import argparse
+
+    from devgraph.errors import ConfigError
+    from devgraph.serve.api import server as server_module
+    from devgraph.serve.cli import add_serve_parser
+
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    args = parser.parse_args(["--device", "cpu", "--token-budget", "4"])
+    with pytest.raises(ConfigError) as info:
+        server_module.build_engine(args)
+    assert str(info.value) == (
+        "--token-budget 4 is below --max-running-requests 8, the default on cpu: every running request "
+        "must fit one step; give --token-budget 8 or more, or --max-running-requests 4 or less"
+    )
+    # The smallest context the flag accepts starts: the warm-up fits it (it asked for 3 tokens before).
+    args = parser.parse_args(["--device", "cpu", "--max-seq-len", "2", "--device-graph-mode", "disabled"])
+    engine = server_module.build_engine(args)
+    try:
+        engine.warm_up()
+        assert engine.model_config.max_seq_len == 2
+    finally:
+        engine.close()
 
 
 def test_byte_tokenizer_round_trip_and_streaming_split_characters() -> None:

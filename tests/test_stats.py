@@ -235,7 +235,11 @@ def test_metrics_without_prometheus_client_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if not installed
     from devgraph.runner.metrics import RunnerCollector, register_runners
 
-    with pytest.raises(BackendUnavailableError, match="pip install prometheus-client"):
+    hint = (
+        r"devgraph.runner.metrics needs prometheus_client, "
+        r"which is not installed: pip install 'devgraph\[metrics\]'"
+    )
+    with pytest.raises(BackendUnavailableError, match=hint):
         register_runners()
-    with pytest.raises(BackendUnavailableError, match="pip install prometheus-client"):
+    with pytest.raises(BackendUnavailableError, match=hint):
         RunnerCollector()

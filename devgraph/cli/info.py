@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import platform as host
 from typing import Any
 
 import torch
 
+from devgraph._version import __version__
 from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.phases import PHASES
 from devgraph.contract.platform import Availability, ask_availability
@@ -84,7 +86,9 @@ def collect_info(registry: Registry | None = None) -> dict[str, Any]:
         for p in registry.plugins
     ]
     return {
+        "devgraph": __version__,
         "torch": torch.__version__,
+        "python": host.python_version(),
         "platforms": platforms,
         "backends": backends,
         "plugins": plugins,
@@ -99,7 +103,7 @@ def run_info(*, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"devgraph on torch {info['torch']}\n")
+    print(f"devgraph {info['devgraph']} on torch {info['torch']}, Python {info['python']}\n")
     print("Plug-ins:")
     for p in info["plugins"]:
         print(f"  {p['name']:<12} {p['status']:<8} {p['origin']}")

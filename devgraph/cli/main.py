@@ -1,23 +1,27 @@
-"""The ``devgraph`` command: ``info`` (what is installed and usable here) and ``demo``.
+"""The ``devgraph`` command: ``info`` (what is installed and usable here), ``demo``, ``serve`` and ``bench``.
 
-Every bad argument is a one-line usage error (``devgraph demo: error: ...``, exit code 2), found before
-anything runs: argparse ``type=`` checks the form of each value, :func:`check_demo_args` what needs the
-machine (is the device usable here, is the ``--json`` path writable).
+Every error is one line in argparse's style, prefixed by the command that failed
+(``devgraph demo: error: ...``, ``devgraph serve: error: ...``; ``devgraph: error: ...`` before a command
+is known), exit code 2. Bad arguments are found before anything runs: argparse ``type=`` checks the form
+of each value, :func:`check_demo_args` what needs the machine (is the device usable here, is the
+``--json`` path writable). A bare ``devgraph`` (or ``devgraph bench``) prints its help and the commands
+to stderr and exits 2, like any argparse program missing a required argument.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from devgraph._version import __version__
+from devgraph.console import OneLineParser, missing_command, run_command
 from devgraph.errors import BackendUnavailableError, ConfigError, DevGraphError
 from devgraph.flag.config import DeviceGraphConfig, device_graph_mode_type
-from devgraph.flag.factory import platform_availability, resolve_platform
+from devgraph.flag.factory import resolve_platform, usable_platform
 from devgraph.flag.sizes import check_size_list
 from devgraph.messages import shorten
 
@@ -25,13 +29,6 @@ __all__ = ["build_parser", "check_demo_args", "main"]
 
 MAX_SEED = (1 << 63) - 1
 MAX_ITERS = 100_000
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Argument errors as one line, no usage dump: servers' logs and CI output stay readable."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def _int_in(text: str, low: int, high: int) -> int:
@@ -92,11 +89,13 @@ def _tp(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="devgraph", description="Device-graph capture and replay for PyTorch engines"
-    )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    parser = OneLineParser(prog="devgraph", description="Device-graph capture and replay for PyTorch engines")
+    parser.add_argument("--version", action="version", version=f"devgraph {__version__}")
+    parser.set_defaults(command_parser=parser)
+    # Not required=True: a bare `devgraph` gets the help and the list of commands, not only an error line.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     info = sub.add_parser("info", help="platforms, plug-ins and backends, and what is usable here")
+    info.set_defaults(command_parser=info)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     demo = sub.add_parser("demo", help="run the reference model eagerly and through graphs; print a table")
     demo.set_defaults(command_parser=demo)
@@ -148,11 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tensor-parallel ranks (launch with torchrun --nproc-per-node N -m devgraph demo --tp N)",
     )
-    from devgraph.serve.cli import add_bench_serve_parser, add_serve_parser
+    from devgraph.serve.cli import add_serve_commands  # the serving application, reached only here
 
-    add_serve_parser(sub)
-    bench = sub.add_parser("bench", help="load benchmarks (bench serve: a trace against a running server)")
-    add_bench_serve_parser(bench.add_subparsers(dest="bench", required=True, parser_class=_OneLineParser))
+    add_serve_commands(sub)
     return parser
 
 
@@ -182,15 +179,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
     gives). ``main`` turns it into a usage error; ``run_demo`` may call it again for namespaces built in code.
     """
     DeviceGraphConfig.parse(getattr(args, "device_graph_mode", None))
-    device = getattr(args, "device", None)
-    if device is not None:
-        platform = resolve_platform(device)
-        availability = platform_availability(platform)
-        if not availability:
-            raise BackendUnavailableError(
-                f"--device {shorten(str(device))}: platform {platform.name!r} is unusable here: "
-                f"{availability.reason}"
-            )
+    usable_platform(getattr(args, "device", None))
     _check_range("iters", getattr(args, "iters", None), 1, MAX_ITERS)
     _check_range("seed", getattr(args, "seed", 0), 0, MAX_SEED)
     for phase in ("decode", "prefill"):
@@ -202,31 +191,33 @@ def check_demo_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        return missing_command(parser, "info, demo, serve or bench")
+    if args.command == "bench" and args.bench is None:
+        return missing_command(args.command_parser, "serve")
+    return run_command(args.command_parser.prog, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "info":
+        from devgraph.cli.info import run_info
+
+        return run_info(as_json=args.json)
+    if args.command in ("serve", "bench"):
+        return int(args.run(args))
     try:
-        if args.command == "info":
-            from devgraph.cli.info import run_info
-
-            return run_info(as_json=args.json)
-        if args.command in ("serve", "bench"):
-            return int(args.run(args))
-        try:
-            check_demo_args(args)
-        except DevGraphError as exc:
-            args.command_parser.error(str(exc))
-        if args.tp is not None:
-            from devgraph.cli.tp_demo import run_tp_demo
-
-            return run_tp_demo(args)
-        from devgraph.cli.demo import run_demo
-
-        return run_demo(args)
+        check_demo_args(args)
     except DevGraphError as exc:
-        print(f"devgraph: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("devgraph: interrupted", file=sys.stderr)
-        return 130
+        args.command_parser.error(str(exc))
+    if args.tp is not None:
+        from devgraph.cli.tp_demo import run_tp_demo
+
+        return run_tp_demo(args)
+    from devgraph.cli.demo import run_demo
+
+    return run_demo(args)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ import torch
 from devgraph.cli.demo import (
     DEFAULT_DECODE_SIZES,
     DEFAULT_PREFILL_SIZES,
+    _conclude,
     _decode_cases,
     _measure,
     _prefill_cases,
     _print_table,
+    _table_title,
 )
 from devgraph.errors import ConfigError
 from devgraph.flag.config import DeviceGraphConfig
@@ -89,7 +91,7 @@ def _run(args: argparse.Namespace, rank: int, world: int, device: torch.device) 
     platform = resolve_platform(device)
     on_cpu = device.type == "cpu"
     preset = getattr(args, "preset", None) or ("tiny" if on_cpu else "qwen3-0.6b")
-    iters = getattr(args, "iters", None) or (10 if on_cpu else 20)
+    iters = None if on_cpu else (getattr(args, "iters", None) or 20)  # simulated graphs are not timed
     seed = getattr(args, "seed", 0) or 0
     model_config = ReferenceConfig.preset(preset)
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -126,11 +128,15 @@ def _run(args: argparse.Namespace, rank: int, world: int, device: torch.device) 
             say(f"\n{report.table()}")
             rows = [_measure(runner, label, b, batch_context(b), iters) for label, b in batches]
             if rank == 0:
-                _print_table(f"{phase} ({runner.backend.name}, TP={world}): median over {iters} runs", rows)
-            results["phases"][phase] = {"backend": runner.backend.name, "rows": [asdict(r) for r in rows]}
-    worst = max(r["max_abs_diff"] for p in results["phases"].values() for r in p["rows"])
-    say(f"\nmax |graph - eager| over every size, same padded batch (rank 0): {worst:.3g}")
-    if rank == 0 and getattr(args, "json", None):
+                _print_table(_table_title(phase, runner.backend.name, iters, f", TP={world}"), rows)
+            results["phases"][phase] = {
+                "backend": runner.backend.name,
+                "rows": [asdict(r) for r in rows],
+                "stats": runner.stats(),
+            }
+    if rank != 0:
+        return 0
+    if getattr(args, "json", None):
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2, default=str)
-    return 0
+    return _conclude(results["phases"], on_cpu)

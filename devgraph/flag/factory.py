@@ -34,6 +34,7 @@ __all__ = [
     "resolve_mode",
     "resolve_phase",
     "resolve_platform",
+    "usable_platform",
 ]
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,22 @@ def resolve_platform(device: torch.device | str | None, registry: Registry | Non
             "or run `devgraph info` to see which plug-ins failed to load"
         )
     return max(matching, key=lambda p: p.priority)
+
+
+def usable_platform(device: torch.device | str | None, *, flag: str = "--device") -> GraphPlatform:
+    """:func:`resolve_platform`, then a check that the platform is usable here: one
+    :class:`BackendUnavailableError` naming ``flag``, the platform and why not (the reason ``devgraph info``
+    gives), before anything allocates on a device that cannot work (``cuda`` on a CPU-only torch)."""
+    platform = resolve_platform(device)
+    if device is None:
+        return platform  # the best platform present, usable by construction
+    availability = platform_availability(platform)
+    if not availability:
+        raise BackendUnavailableError(
+            f"{flag} {shorten(str(device))}: platform {platform.name!r} is unusable here: "
+            f"{availability.reason}"
+        )
+    return platform
 
 
 def resolve_mode(platform: str, phase: str, mode: str, registry: Registry | None = None) -> str:

@@ -35,6 +35,7 @@ __all__ = [
     "check_field",
     "check_mode",
     "compiling_modes",
+    "did_you_mean",
     "registered_modes",
 ]
 
@@ -106,12 +107,30 @@ class ModeNames:
 
 
 # -- value checks (messages name the field; parse() prefixes the flag and its value) ---------------------
+def _folded(name: str) -> str:
+    """A name as compared for hints: case and ``-`` vs ``_`` do not count (``FULL``, ``tc-piecewise``)."""
+    return name.casefold().replace("-", "_")
+
+
+def did_you_mean(value: str, accepted: Iterable[str]) -> str | None:
+    """The accepted name ``value`` was most likely meant to be: one that differs only in case or ``-``/``_``,
+    else the closest by :mod:`difflib` among the folded names; ``None`` when none is close."""
+    by_folded = {_folded(name): name for name in accepted}
+    folded = _folded(value)
+    if folded in by_folded:
+        return by_folded[folded]
+    close = difflib.get_close_matches(folded, list(by_folded), n=1)
+    return by_folded[close[0]] if close else None
+
+
 def bad(value: object, what: str, accepted: Iterable[str]) -> ConfigError:
+    """The refusal of a name outside a closed set (modes, phases, compilers, keys...): names are exact
+    (lower case, as documented), and a near miss gets a ``did you mean`` hint."""
     accepted = list(accepted)
     hint = ""
     if isinstance(value, str) and len(value) <= 64:
-        close = difflib.get_close_matches(value, accepted, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = did_you_mean(value, accepted)
+        hint = f" (did you mean {close!r}?)" if close else ""
     return ConfigError(f"{what} {shorten(value)} is not valid{hint}; accepted: {', '.join(accepted)}")
 
 

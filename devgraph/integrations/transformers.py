@@ -12,7 +12,10 @@ module is imported. See docs/huggingface.md::
     decoder.close()
 
 ``fast=True`` (or a :class:`FastPath`) adds compiled regions and packed GQA attention inside the captured
-decode steps: faster, with a compiled model's rounding instead of HF eager's bitwise tokens.
+decode steps: faster, with a compiled model's rounding instead of HF eager's.
+
+Supported: transformers 5.17 to 5.24 (:data:`SUPPORTED`); every piece the integration uses is found by
+signature or attribute, and one that is missing is refused naming the installed version and the piece.
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ from __future__ import annotations
 from devgraph.integrations.hf.cache import SharedStaticCache
 from devgraph.integrations.hf.decoder import DevgraphDecoder
 from devgraph.integrations.hf.fast import FastPath
-from devgraph.integrations.hf.lib import INSTALL_HINT, MIN_VERSION, TESTED_VERSIONS
+from devgraph.integrations.hf.lib import (
+    INSTALL_HINT,
+    MAX_TESTED_VERSION,
+    MIN_VERSION,
+    SUPPORTED,
+    TESTED_VERSIONS,
+)
 from devgraph.integrations.hf.support import FALLBACK_REASONS
 
 __all__ = [
@@ -28,7 +37,9 @@ __all__ = [
     "FALLBACK_REASONS",
     "FastPath",
     "INSTALL_HINT",
+    "MAX_TESTED_VERSION",
     "MIN_VERSION",
+    "SUPPORTED",
     "SharedStaticCache",
     "TESTED_VERSIONS",
 ]

@@ -227,7 +227,7 @@ class GraphRunner:
             finish=self._learn_layout,
             hook=self.capture_hook,
             agree=sync.agree,
-            progress=show_progress(self.progress, rank_of(self.process_group)) and not self.lazy,
+            progress="off" if self.lazy else show_progress(self.progress, rank_of(self.process_group)),
             shared_pool=not self.lazy,
         )
         with self._state.preserved(), frozen_gc(collect):

@@ -1,4 +1,4 @@
-"""Prometheus metrics for runners (optional: ``pip install prometheus-client``).
+"""Prometheus metrics for runners (optional: ``pip install 'devgraph[metrics]'``).
 
 A collector reads each runner's :meth:`~devgraph.runner.graph_runner.GraphRunner.stats` when Prometheus
 scrapes, so steps pay nothing extra. Every series carries the runner's ``phase`` and ``backend`` labels::
@@ -23,19 +23,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from devgraph.errors import BackendUnavailableError
+from devgraph.extras import require_extra
 
 __all__ = ["RunnerCollector", "register_runners"]
 
 
 def _prometheus() -> Any:
-    try:
-        return importlib.import_module("prometheus_client")
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"devgraph.metrics needs the optional prometheus_client package ({exc}); "
-            "install it with: pip install prometheus-client"
-        ) from None
+    return require_extra("prometheus_client", extra="metrics", needed_by="devgraph.runner.metrics")
 
 
 class RunnerCollector:

@@ -1,22 +1,31 @@
 """Arguments and entry points of ``devgraph serve`` and ``devgraph bench serve``.
 
-``devgraph/cli.py`` wires them in with :func:`add_serve_parser` / :func:`add_bench_serve_parser` and calls
-:func:`run_serve` / :func:`run_bench_serve`; ``python -m devgraph.serve`` runs the server on its own.
-The heavy imports (torch models, aiohttp) happen in the ``run_*`` functions, not at parse time.
+The ``devgraph`` command (:mod:`devgraph.cli`) adds both with :func:`add_serve_commands`;
+``python -m devgraph.serve`` runs the same commands through :func:`serve_main`, with the same parser and
+the same one-line errors (:mod:`devgraph.console`). The heavy imports (torch models, aiohttp) happen in the
+``run_*`` functions, not at parse time; both first check that the ``serve`` extra is installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+from collections.abc import Sequence
 from typing import Any
 
-from devgraph.errors import DevGraphError
+from devgraph.console import OneLineParser, run_command
+from devgraph.extras import require_extra
 from devgraph.flag.config import add_device_graph_args
 from devgraph.messages import shorten
 from devgraph.reference.config import ATTENTION_MODES, PRESET_NAMES
 
-__all__ = ["add_bench_serve_parser", "add_serve_parser", "run_bench_serve", "run_serve", "serve_main"]
+__all__ = [
+    "add_bench_serve_parser",
+    "add_serve_commands",
+    "add_serve_parser",
+    "run_bench_serve",
+    "run_serve",
+    "serve_main",
+]
 
 _DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 #: The slowest Poisson arrival rate ``bench serve`` accepts (requests per second).
@@ -181,9 +190,17 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--cpu-threads", type=_int_in(1, 1024), default=None, help="torch CPU threads (default: torch's)"
     )
     parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None, help="capture progress bar"
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a capture progress bar (default: when stderr is a terminal; otherwise one log line per graph)",
     )
-    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="info (default) logs each start-up stage; warning shows only problems",
+    )
     parser.set_defaults(run=run_serve, command_parser=parser)
     return parser
 
@@ -232,34 +249,35 @@ def _bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    require_extra("aiohttp", extra="serve", needed_by="this command")  # before minutes of start-up
     from devgraph.serve.api.server import serve
 
     return serve(args)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    require_extra("aiohttp", extra="serve", needed_by="this command")
     from devgraph.serve.bench.loadgen import run_from_args
 
     return run_from_args(args)
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    """``python -m devgraph.serve [flags]`` (the flags of ``devgraph serve``), or
-    ``python -m devgraph.serve bench [flags]`` (those of ``devgraph bench serve``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        parser = _bench_args(
-            argparse.ArgumentParser(prog="devgraph bench serve", description=_BENCH_DESCRIPTION)
-        )
-        parser.set_defaults(run=run_bench_serve)
-        argv = argv[1:]
-    else:
-        parser = _serve_args(argparse.ArgumentParser(prog="devgraph serve", description=_SERVE_DESCRIPTION))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.run(args))
-    except DevGraphError as exc:
-        print(f"devgraph: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+def add_serve_commands(subparsers: Any) -> None:
+    """``serve`` and ``bench serve`` under a parser's ``subparsers`` (the ``devgraph`` command's)."""
+    add_serve_parser(subparsers)
+    bench = subparsers.add_parser(
+        "bench", help="load benchmarks (bench serve: a trace against a running server)"
+    )
+    bench.set_defaults(command_parser=bench)
+    add_bench_serve_parser(
+        bench.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=OneLineParser)
+    )
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    """``python -m devgraph.serve [flags]``: ``devgraph serve [flags]``; ``... bench [flags]``:
+    ``devgraph bench serve [flags]``."""
+    parser = OneLineParser(prog="devgraph")
+    add_serve_commands(parser.add_subparsers(dest="command", parser_class=OneLineParser))
+    args = parser.parse_args(["bench", "serve", *argv[1:]] if argv[:1] == ["bench"] else ["serve", *argv])
+    return run_command(args.command_parser.prog, lambda: args.run(args))

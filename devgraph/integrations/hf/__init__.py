@@ -1,6 +1,9 @@
 """The parts of :mod:`devgraph.integrations.transformers` (import that module, not these).
 
-* :mod:`~devgraph.integrations.hf.lib`: the transformers package, imported on first use, version floor.
+* :mod:`~devgraph.integrations.hf.lib`: the transformers package, imported on first use; the tested range.
+* :mod:`~devgraph.integrations.hf.features`: what the integration needs from transformers, found by
+  signature and attribute (the cache keyword, the output field, the static layers' write position), and
+  the refusal that names the installed version, the missing piece and the supported range.
 * :mod:`~devgraph.integrations.hf.cache`: one static cache sized once, with per-batch-size views.
 * :mod:`~devgraph.integrations.hf.support`: which models are refused and which ``generate()`` calls fall
   back to Hugging Face's own loop.

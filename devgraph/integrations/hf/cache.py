@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from devgraph.errors import ConfigError
+from devgraph.integrations.hf.features import check_cache_layer, unsupported
 from devgraph.integrations.hf.lib import transformers
 
 __all__ = ["SharedStaticCache"]
@@ -42,32 +43,42 @@ class SharedStaticCache:
 
     def __init__(self, model: Any, max_batch: int, max_cache_len: int) -> None:
         tf = transformers()
+        name = type(model).__name__
         self.config = model.config.get_text_config(decoder=True)
         self.max_batch = max_batch
         self.max_cache_len = max_cache_len
         try:
             self.full = tf.StaticCache(config=self.config, max_cache_len=max_cache_len)
         except Exception as exc:
-            raise ConfigError(
-                f"{type(model).__name__} cannot use a transformers StaticCache "
-                f"({type(exc).__name__}: {exc}); devgraph decodes only models with full-attention static "
-                "caches: use model.generate()"
+            raise unsupported(
+                name,
+                f"StaticCache(config=..., max_cache_len=...) failed ({type(exc).__name__}: {exc}); devgraph "
+                "decodes only models with full-attention static caches",
             ) from None
         static_layer = tf.cache_utils.StaticLayer
         for index, layer in enumerate(self.full.layers):
             if type(layer) is not static_layer:
-                name = type(layer).__name__
-                why = _REFUSED_LAYERS.get(name, "not a plain full-attention StaticLayer")
+                kind = type(layer).__name__
+                why = _REFUSED_LAYERS.get(kind, "not a plain full-attention StaticLayer")
                 raise ConfigError(
-                    f"{type(model).__name__} layer {index} caches with {name} ({why}); a captured graph "
+                    f"{name} layer {index} caches with {kind} ({why}); a captured graph "
                     "would bake the branch taken at capture. devgraph decodes only models whose every layer "
                     "is full attention (Llama, Qwen3, ...): use model.generate() for this one"
                 )
+            check_cache_layer(name, layer, index, initialized=False)
+        if not callable(getattr(self.full, "early_initialization", None)):
+            raise unsupported(
+                name,
+                "StaticCache has no `early_initialization` (devgraph allocates the cache "
+                "before capture with it)",
+            )
         heads, head_dim = _head_shape(self.config)
         # Allocate now: a lazy first update inside a capture would allocate the cache in the graph's pool.
         self.full.early_initialization(
             batch_size=max_batch, num_heads=heads, head_dim=head_dim, dtype=model.dtype, device=model.device
         )
+        for index, layer in enumerate(self.full.layers):
+            check_cache_layer(name, layer, index, initialized=True)
         self._views: dict[tuple[int, int], Any] = {}
 
     def view(self, rows: int, window: int | None = None) -> Any:

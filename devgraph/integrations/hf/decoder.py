@@ -70,9 +70,10 @@ class DevgraphDecoder:
       capture (default: devgraph's decode sizes up to ``max_batch``, which is always captured).
     * ``config``: a strategy (``"full"``, the default on CUDA and the CPU simulator; ``"disabled"`` runs
       the same static step eagerly) or a ``--device-graph-mode`` value.
-    * ``fast``: ``False`` (HF's own kernels: tokens bitwise equal to HF eager ``generate()`` where its
-      kernels are deterministic), ``True`` or a :class:`FastPath` (compiled regions, packed GQA, windows:
-      faster, rounding like a compiled model).
+    * ``fast``: ``False`` (HF's own kernels: HF eager ``generate()``'s tokens; its scores bitwise where the
+      batch fills a captured size, within float32 rounding where padding rows are added: see
+      docs/huggingface.md, Exactness), ``True`` or a :class:`FastPath` (compiled regions, packed GQA,
+      windows: faster, rounding like a compiled model).
     * ``capture``: capture now (default) or at the first ``generate()``.
 
     One ``generate()`` runs at a time (a lock); ``return_dict_in_generate=True`` returns a view of the
@@ -93,7 +94,7 @@ class DevgraphDecoder:
         progress: bool | None = None,
     ) -> None:
         transformers()  # the install hint before anything else
-        check_model(model)
+        self.features = check_model(model)  # what this transformers calls each piece, found by feature
         self.model = model
         self.max_cache_len = _positive(max_cache_len, "max_cache_len")
         largest = max(sizes) if sizes else None
@@ -169,15 +170,16 @@ class DevgraphDecoder:
         rows = input_ids.shape[0]
         columns = window or self.max_cache_len
         token = self.regions.activate() if self.regions is not None else None
+        extra = {"logits_to_keep": 1} if self.features.logits_to_keep else {}
         try:
             return self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 attention_mask=self._mask[:rows, :columns],
-                past_key_values=self.cache.view(rows, window),
                 use_cache=True,
-                logits_to_keep=1,
                 return_dict=True,
+                **{self.features.cache_argument: self.cache.view(rows, window)},
+                **extra,
             )
         finally:
             if token is not None:
@@ -246,7 +248,9 @@ class DevgraphDecoder:
             if self.runner.report is None:
                 self.capture()
             self.cache.rewind()
-            loop = DecodeLoop(self._start, self._step, self.max_cache_len, self.device, streamer)
+            loop = DecodeLoop(
+                self._start, self._step, self.max_cache_len, self.device, self.features, streamer
+            )
             # A cache_implementation in the given or the model's config would clash with the decoder's cache.
             if getattr(generation_config, "cache_implementation", None) is not None:
                 generation_config = copy.deepcopy(generation_config)
@@ -256,9 +260,9 @@ class DevgraphDecoder:
             result = self.model.generate(
                 input_ids,
                 generation_config,
-                past_key_values=self.cache.view(route.rows),
                 custom_generate=loop,
                 streamer=streamer,
+                **{self.features.cache_argument: self.cache.view(route.rows)},
                 **kwargs,
             )
             self._graph_calls += 1

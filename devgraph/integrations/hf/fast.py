@@ -171,6 +171,7 @@ class DecodeRegions:
     def _install_rope_in(self, owner: Any) -> None:
         current = getattr(owner, "apply_rotary_pos_emb", None)
         if current is None:
+            self.skipped.append(f"{owner.__name__}.apply_rotary_pos_emb (not found: RoPE stays HF's)")
             return
         original = getattr(current, "_devgraph_original", current)
         q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8)
@@ -197,7 +198,13 @@ class DecodeRegions:
     def _install_attention(self, config: Any) -> None:
         if config._attn_implementation != "sdpa" or self._groups == 1:
             return
-        functions = transformers().modeling_utils.ALL_ATTENTION_FUNCTIONS
+        functions: Any = getattr(transformers().modeling_utils, "ALL_ATTENTION_FUNCTIONS", None)
+        if not isinstance(getattr(functions, "_local_mapping", None), dict):
+            # Without the registry's local layer its original could not be put back: decode unpacked.
+            self.skipped.append(
+                "packed GQA (this transformers has no ALL_ATTENTION_FUNCTIONS._local_mapping)"
+            )
+            return
         had_local = "sdpa" in functions._local_mapping
 
         def restore(original: Callable[..., Any]) -> None:

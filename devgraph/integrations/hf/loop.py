@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from devgraph.errors import InputError
+from devgraph.integrations.hf.features import ModelFeatures
 from devgraph.integrations.hf.lib import transformers
 from devgraph.integrations.hf.support import GRAPH_MODES
 
@@ -42,16 +43,17 @@ def _start_positions(input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> t
 def _length_only(stopping_criteria: Any) -> int | None:
     """The length at which generation stops when that is the only criterion (else ``None``)."""
     criteria = list(stopping_criteria)
-    max_length = transformers().generation.stopping_criteria.MaxLengthCriteria
-    if not criteria or any(type(c) is not max_length for c in criteria):
-        return None
+    max_length = getattr(transformers().generation.stopping_criteria, "MaxLengthCriteria", None)
+    if max_length is None or not criteria or any(type(c) is not max_length for c in criteria):
+        return None  # (a release without that class: the loop checks every criterion each token)
     return min(int(c.max_length) for c in criteria)
 
 
 class DecodeLoop:
     """``custom_generate`` for one ``generate()`` call. ``start(rows, prompt_mask)`` prepares the decode
     step's static mask; ``step`` runs one decode step through the runner; ``max_cache_len`` bounds the
-    call's length; ``streamer`` is the call's streamer (``generate()`` does not hand it to a callable)."""
+    call's length; ``features`` names the cache keyword and output field of the installed transformers;
+    ``streamer`` is the call's streamer (``generate()`` does not hand it to a callable)."""
 
     def __init__(
         self,
@@ -59,12 +61,14 @@ class DecodeLoop:
         step: Step,
         max_cache_len: int,
         device: torch.device,
+        features: ModelFeatures,
         streamer: Any = None,
     ) -> None:
         self.start = start
         self.step = step
         self.max_cache_len = max_cache_len
         self.device = device
+        self.features = features
         self.streamer = streamer
         self.steps = 0
 
@@ -93,6 +97,8 @@ class DecodeLoop:
         rows = input_ids.shape[0]
         streamer = self.streamer
         pad_token = getattr(generation_config, "_pad_token_tensor", None)
+        if pad_token is None and isinstance(generation_config.pad_token_id, int):
+            pad_token = torch.tensor(generation_config.pad_token_id)  # (a release without the private copy)
         has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
         if has_eos and pad_token is None:
             raise InputError(
@@ -146,10 +152,11 @@ class DecodeLoop:
         if streamer is not None:
             streamer.end()
         if dict_out:
+            cache = model_kwargs.get(self.features.cache_argument)
             return tf.generation.utils.GenerateDecoderOnlyOutput(
                 sequences=input_ids,
                 scores=scores,
                 logits=raw_logits,
-                past_key_values=model_kwargs.get("past_key_values"),
+                **{self.features.output_cache_field: cache},
             )
         return input_ids

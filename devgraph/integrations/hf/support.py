@@ -4,13 +4,13 @@ Face's own loop (counted by reason, never silently)."""
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from devgraph.errors import ConfigError
+from devgraph.integrations.hf.features import CACHE_ARGUMENTS, ModelFeatures, find_features
 from devgraph.messages import shorten
 
 __all__ = ["FALLBACK_REASONS", "Route", "check_model", "check_generate_kwargs", "route_generate"]
@@ -20,6 +20,8 @@ __all__ = ["FALLBACK_REASONS", "Route", "check_model", "check_generate_kwargs", 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 #: Generation modes the devgraph loop runs (``GenerationMode`` values); others run HF's own loop.
 GRAPH_MODES = ("greedy_search", "sample")
+#: generate() keywords that hand it a cache (``cache_params``: older state-space models' name).
+USER_CACHE_ARGUMENTS = (*CACHE_ARGUMENTS, "cache_params")
 
 FALLBACK_REASONS = (
     "past_largest",  # more rows (batch x num_return_sequences) than the shared cache holds
@@ -32,8 +34,9 @@ FALLBACK_REASONS = (
 )
 
 
-def check_model(model: Any) -> None:
-    """:class:`ConfigError` for models the integration cannot decode (the cache layers are checked by
+def check_model(model: Any) -> ModelFeatures:
+    """How to drive ``model`` under the installed transformers, or :class:`ConfigError` for models the
+    integration cannot decode (the cache layers are checked by
     :class:`~devgraph.integrations.hf.cache.SharedStaticCache`)."""
     name = type(model).__name__
     config = getattr(model, "config", None)
@@ -54,13 +57,6 @@ def check_model(model: Any) -> None:
             "(their decode mask is built on the device from the cache's write position). Load the model "
             "with attn_implementation='sdpa'"
         )
-    parameters = inspect.signature(model.forward).parameters
-    missing = [p for p in ("attention_mask", "position_ids", "past_key_values") if p not in parameters]
-    if missing:
-        raise ConfigError(
-            f"{name}.forward takes no {missing}; a graph-captured decode step passes the write position, "
-            "the padding mask and the cache explicitly. Use model.generate() for this model"
-        )
     if model.training:
         raise ConfigError(f"{name} is in training mode (dropout would be captured): call model.eval() first")
     devices = {p.device for p in model.parameters()}
@@ -69,6 +65,7 @@ def check_model(model: Any) -> None:
             f"{name} has parameters on {sorted(map(str, devices))}; DevgraphDecoder needs the whole model on "
             "one device (no device_map sharding, no meta tensors)"
         )
+    return find_features(model)
 
 
 def check_generate_kwargs(kwargs: dict[str, Any]) -> None:
@@ -80,7 +77,7 @@ def check_generate_kwargs(kwargs: dict[str, Any]) -> None:
         )
     for name, why in (
         ("custom_generate", "it supplies its own decode loop"),
-        ("past_key_values", "it owns the static cache its graphs read"),
+        *((cache, "it owns the static cache its graphs read") for cache in USER_CACHE_ARGUMENTS),
         ("cache_implementation", "it owns the static cache its graphs read (sized by max_cache_len=)"),
     ):
         if kwargs.get(name) is not None:

@@ -1,8 +1,8 @@
 """Choosing an attention backend: ``attention_backend("triton" | "torch" | "auto")``.
 
 ``torch`` is the reference (``torch_ref``), always there. ``triton`` imports triton (and the kernels)
-on first request and says ``pip install triton`` when it is missing. ``auto`` decides per call: the
-Triton kernels for tensors on a GPU when triton imports, the reference otherwise. The decision reads
+on first request and says ``pip install 'devgraph[triton]'`` when it is missing. ``auto`` decides per
+call: the Triton kernels for tensors on a GPU when triton imports, the reference otherwise. The decision reads
 only the device of the tensors, a static property, so it is safe inside a captured graph.
 """
 
@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from devgraph.errors import BackendUnavailableError, ConfigError
+from devgraph.extras import install_hint, missing_extra
 from devgraph.messages import shorten
 from devgraph.reference.kernels import torch_ref
 
@@ -28,6 +29,7 @@ __all__ = [
     "WriteKV",
     "attention_backend",
     "available_backends",
+    "auto_fallback_note",
 ]
 
 #: Names ``attention_backend`` accepts.
@@ -126,12 +128,23 @@ def available_backends() -> tuple[str, ...]:
     return ("torch", "triton") if isinstance(_load_triton(), AttentionKernels) else ("torch",)
 
 
+def auto_fallback_note(kernels: str, device: torch.device) -> str | None:
+    """Why ``auto`` kernels on a GPU ``device`` run the slow torch reference (triton does not import),
+    with the install hint; ``None`` when they run Triton or ``device`` is not a GPU (the demo prints it,
+    the server logs it: timings taken without Triton are not the kernels' speed)."""
+    loaded = _load_triton()
+    if kernels != "auto" or device.type != "cuda" or not isinstance(loaded, ImportError):
+        return None
+    message = missing_extra("triton", "triton", "the reference model's GPU attention kernels", loaded)
+    return f"{message}; running the torch reference attention instead (correct, much slower)"
+
+
 def _triton_kernels() -> AttentionKernels:
     loaded = _load_triton()
     if isinstance(loaded, ImportError):
         raise BackendUnavailableError(
             f"the triton attention backend needs the triton package, which does not import here "
-            f"({shorten(str(loaded), 120)}): pip install triton (CUDA builds of torch ship a matching "
+            f"({shorten(str(loaded), 120)}): {install_hint('triton')} (CUDA builds of torch ship a matching "
             f"one), or use attention_backend('torch')"
         ) from loaded
     return loaded

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,7 +26,20 @@ from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import CaptureError
 from devgraph.runner.capture.advice import diagnose
 
-__all__ = ["CaptureJob", "CaptureReport", "KeyReport", "capture_keys", "frozen_gc"]
+__all__ = [
+    "CaptureJob",
+    "CaptureReport",
+    "KeyReport",
+    "Progress",
+    "capture_keys",
+    "frozen_gc",
+    "show_progress",
+]
+
+logger = logging.getLogger(__name__)
+
+#: How capture shows its progress: a bar (a terminal), a log line per key (a log file), or nothing.
+Progress = Literal["bar", "log", "off"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,7 @@ class CaptureJob:
     hook: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     # After each key, on every rank: raises if any rank failed that key (ranks fail together, never hang).
     agree: Callable[[GraphKey, BaseException | None], None] = lambda key, error: None
-    progress: bool = False
+    progress: Progress = "off"
     shared_pool: bool = True
 
 
@@ -112,16 +126,20 @@ def frozen_gc(collect: bool = True) -> Iterator[None]:
 
 
 def _progress(keys: Sequence[GraphKey], job: CaptureJob) -> Iterable[GraphKey]:
-    if not job.progress or len(keys) < 2:
+    if job.progress != "bar" or len(keys) < 2:
         return keys
     from tqdm import tqdm
 
     return tqdm(keys, desc=f"capturing {job.phase} ({job.backend.name})", unit="graph", leave=False)
 
 
-def show_progress(requested: bool | None, rank: int) -> bool:
-    """The default: a bar on rank 0 when stderr is a terminal."""
-    return requested if requested is not None else (rank == 0 and sys.stderr.isatty())
+def show_progress(requested: bool | None, rank: int) -> Progress:
+    """A bar on rank 0 when stderr is a terminal (or ``requested=True``); else, on rank 0, one INFO log
+    line per captured key (``devgraph.runner.capture.loop``), so a server's log shows a long start-up
+    moving."""
+    if requested or (requested is None and rank == 0 and sys.stderr.isatty()):
+        return "bar"
+    return "log" if rank == 0 else "off"
 
 
 def capture_keys(job: CaptureJob, keys: Sequence[GraphKey]) -> list[KeyReport]:
@@ -132,6 +150,16 @@ def capture_keys(job: CaptureJob, keys: Sequence[GraphKey]) -> list[KeyReport]:
     with job.backend.capture_session(stream, shared_pool=job.shared_pool), hook:
         for key in _progress(keys, job):
             reports.append(_capture_one(job, key))
+            if job.progress == "log":
+                logger.info(
+                    "captured %s graph %d/%d (%s, %s) in %.2f s",
+                    job.phase,
+                    len(reports),
+                    len(keys),
+                    key,
+                    job.backend.name,
+                    reports[-1].seconds,
+                )
         if reports:
             job.finish(reports[0].key)
     return reports

@@ -8,6 +8,10 @@ reading the engine's stats waits for the current step, so it runs in an executor
 
 A handler that ends before its request finished (the client went away: a failed write, or aiohttp
 cancelling the handler) aborts the request, which frees its KV blocks.
+
+Every error is JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: the handlers'
+own (:class:`~devgraph.serve.api.protocol.ApiError`) and, through :func:`json_errors`, aiohttp's (unknown
+route 404, wrong method 405, body too large 413) and any exception a handler did not expect (500).
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from typing import Any
 from aiohttp import web
 
 from devgraph.errors import InputError
+from devgraph.extras import install_hint
 from devgraph.messages import shorten
 from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import (
     ApiError,
     CompletionRequest,
+    ModelCard,
     completion_chunk,
     completion_response,
     error_body,
+    model_list,
     now,
     parse,
 )
@@ -39,7 +46,7 @@ from devgraph.serve.api.tokenizer import ByteTokenizer, StreamDecoder
 from devgraph.serve.engine.loop import EngineClosed, EngineLoop
 from devgraph.serve.engine.request import FinishReason, RequestOutput
 
-__all__ = ["ServerState", "build_app"]
+__all__ = ["ServerState", "build_app", "json_errors"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +109,44 @@ def _error(error: ApiError) -> web.Response:
     return web.json_response(error_body(error), status=error.status)
 
 
+#: aiohttp's error statuses, as OpenAI error types.
+_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own errors (404 unknown route, 405 wrong method with its ``Allow`` header, 413, ...) and
+    unexpected exceptions (500, logged) as the OpenAI error JSON the handlers' errors already are."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:  # redirects and the like are not errors
+            raise
+        message = f"{request.method} {shorten(request.path, 120)}: {exc.reason}"
+        if exc.status == 404:
+            message += f"; routes: {', '.join(_routes(request.app))}"
+        response = _error(ApiError(exc.status, message, kind=_ERROR_TYPES.get(exc.status)))
+        if "Allow" in exc.headers:  # 405 says which methods the route takes
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return _error(ApiError(500, "the server failed on this request; see its log"))
+
+
+def _routes(app: web.Application) -> list[str]:
+    """``METHOD /path`` of every route the app serves (HEAD, which aiohttp adds to each GET, left out)."""
+    return [
+        f"{route.method} {route.resource.canonical}"
+        for route in app.router.routes()
+        if route.method != "HEAD" and route.resource is not None
+    ]
+
+
 def build_app(state: ServerState) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[json_errors])
     app[STATE] = state
     app.add_routes(
         [
@@ -127,14 +170,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     config = state.engine.engine.model_config
-    card = {
-        "id": state.model_name,
-        "object": "model",
-        "owned_by": "devgraph",
-        "vocab_size": config.vocab_size,
-        "max_seq_len": config.max_seq_len,
-    }
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response(model_list(ModelCard(state.model_name, config.vocab_size, config.max_seq_len)))
 
 
 async def _stats(request: web.Request) -> web.Response:
@@ -146,7 +182,7 @@ async def _stats(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     metrics = request.app[STATE].metrics
     if metrics is None:
-        message = "GET /metrics needs prometheus_client: pip install prometheus_client (or devgraph[serve])"
+        message = f"GET /metrics needs prometheus_client, which is not installed: {install_hint('serve')}"
         return _error(ApiError(501, message, kind="not_implemented"))
     body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
     return web.Response(body=body, headers={"Content-Type": content_type})

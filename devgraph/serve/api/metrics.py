@@ -24,7 +24,7 @@ import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from devgraph.errors import BackendUnavailableError
+from devgraph.extras import require_extra
 from devgraph.runner.metrics import RunnerCollector
 from devgraph.serve.engine.request import RequestOutput
 
@@ -48,12 +48,7 @@ class ServeMetrics:
     """Histograms and counters in a registry of their own, plus a collector over ``stats()``."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], runners: Sequence[Any] = ()) -> None:
-        try:
-            prom = importlib.import_module("prometheus_client")
-        except ImportError:
-            raise BackendUnavailableError(
-                "GET /metrics needs prometheus_client: pip install prometheus_client (or devgraph[serve])"
-            ) from None
+        prom = require_extra("prometheus_client", extra="serve", needed_by="GET /metrics")
         self._prom = prom
         self.registry = prom.CollectorRegistry()
         hist = dict(registry=self.registry, buckets=_LATENCY_BUCKETS)
@@ -72,7 +67,8 @@ class ServeMetrics:
             "devgraph_serve_generation_tokens", "Tokens generated", registry=self.registry
         )
         self.registry.register(_StatsCollector(prom, stats))
-        # The runners' own series (replays per key, eager steps by reason, rows) come from devgraph.metrics.
+        # The runners' own series (replays per key, eager steps by reason, rows) come from
+        # devgraph.runner.metrics.
         self.registry.register(RunnerCollector(runners))
 
     def observe(self, output: RequestOutput, latency: float | None = None) -> None:

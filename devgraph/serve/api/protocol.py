@@ -20,7 +20,17 @@ from devgraph.messages import shorten
 from devgraph.serve.api.tokenizer import ByteTokenizer
 from devgraph.serve.engine.request import MAX_STOP_TOKEN_IDS, RequestOutput, SamplingParams
 
-__all__ = ["ApiError", "CompletionRequest", "completion_chunk", "completion_response", "error_body", "parse"]
+__all__ = [
+    "ApiError",
+    "CompletionRequest",
+    "ModelCard",
+    "completion_chunk",
+    "completion_response",
+    "error_body",
+    "model_list",
+    "parse",
+    "parse_model_card",
+]
 
 
 class ApiError(Exception):
@@ -38,6 +48,51 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return {
         "error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}
     }
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """The served model as ``GET /v1/models`` describes it; ``devgraph bench serve`` reads it back."""
+
+    id: str
+    vocab_size: int
+    max_seq_len: int
+
+
+def model_list(card: ModelCard) -> dict[str, Any]:
+    """The body of ``GET /v1/models``: OpenAI's list of models, plus the fields a load generator needs."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": card.id,
+                "object": "model",
+                "owned_by": "devgraph",
+                "vocab_size": card.vocab_size,
+                "max_seq_len": card.max_seq_len,
+            }
+        ],
+    }
+
+
+def parse_model_card(payload: Any) -> ModelCard:
+    """The first model of a ``GET /v1/models`` body; :class:`ValueError` saying what is missing or wrong."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        raise ValueError(f"expected {{'data': [{{model card}}, ...]}}, got {shorten(payload)}")
+    card = data[0]
+    name = card.get("id")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"the model card's 'id' must be a non-empty string, got {shorten(name)}")
+    sizes = {}
+    for field_name, low in (("vocab_size", 1), ("max_seq_len", 2)):
+        value = card.get(field_name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(
+                f"the model card's {field_name!r} must be an integer >= {low}, got {shorten(value)}"
+            )
+        sizes[field_name] = value
+    return ModelCard(name, sizes["vocab_size"], sizes["max_seq_len"])
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,17 @@ import logging
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 import torch
 
 from devgraph.errors import ConfigError
+from devgraph.extras import install_hint
 from devgraph.flag.config import DeviceGraphConfig
-from devgraph.flag.factory import resolve_platform
+from devgraph.flag.factory import resolve_platform, usable_platform
 from devgraph.reference.config import ReferenceConfig
+from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.reference.model import ReferenceModel
 from devgraph.serve.api.metrics import ServeMetrics, prometheus_available
 from devgraph.serve.engine.config import EngineConfig
@@ -38,6 +41,7 @@ SHUTDOWN_GRACE = 1.0
 #: The KV cache may take at most this share of the device's free memory (weights and steps need the rest).
 KV_MEMORY_SHARE = 0.9
 GiB = float(1 << 30)
+MiB = float(1 << 20)
 
 
 def device_defaults(device: torch.device) -> dict[str, Any]:
@@ -48,16 +52,34 @@ def device_defaults(device: torch.device) -> dict[str, Any]:
 
 
 def _device(args: argparse.Namespace) -> torch.device:
-    platform = resolve_platform(args.device)
+    # The demo's check: `--device cuda` on a CPU-only torch is one line saying why, not an AssertionError.
+    platform = usable_platform(args.device)
     return torch.device(args.device) if args.device else platform.default_device()
 
 
-def build_engine(args: argparse.Namespace) -> Engine:
-    """The model and engine the flags describe, graphs captured."""
-    device = _device(args)
-    defaults = device_defaults(device)
+def _batch_limits(
+    args: argparse.Namespace, defaults: dict[str, Any], device: torch.device
+) -> tuple[int, int]:
+    """``--max-running-requests`` and ``--token-budget`` (defaults filled in); :class:`ConfigError` naming
+    the flags, and the values that work, when a step could not hold every running request."""
     running = args.max_running_requests or defaults["max_running_requests"]
     budget = args.token_budget or max(defaults["token_budget"], running)
+    if budget < running:
+        given = "" if args.max_running_requests else f", the default on {device.type}"
+        raise ConfigError(
+            f"--token-budget {budget} is below --max-running-requests {running}{given}: every running "
+            f"request must fit one step; give --token-budget {running} or more, or --max-running-requests "
+            f"{budget} or less"
+        )
+    return running, budget
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The model and engine the flags describe, graphs captured. Logs each start-up stage (model and KV
+    cache, each graph captured, the capture table) at INFO, so a log shows where start-up is."""
+    device = _device(args)
+    defaults = device_defaults(device)
+    running, budget = _batch_limits(args, defaults, device)
     overrides: dict[str, Any] = {"max_requests": running}
     for name in ("dtype", "num_blocks", "max_seq_len", "attention"):
         value = getattr(args, name, None)
@@ -74,9 +96,28 @@ def build_engine(args: argparse.Namespace) -> Engine:
         mixed_steps=not args.no_mixed_steps,
         deterministic=args.deterministic,
     )
+    logger.info(
+        "building the model: preset %r (%s, %d layers), random weights (seed %d), on %s; KV cache "
+        "%.1f MiB (%d blocks of %d positions)",
+        args.preset or defaults["preset"],
+        str(model_config.dtype).removeprefix("torch."),
+        model_config.num_layers,
+        args.seed,
+        device,
+        kv_cache_bytes(model_config) / MiB,
+        model_config.total_blocks,
+        model_config.block_size,
+    )
+    note = auto_fallback_note(model_config.kernels, device)
+    if note:
+        logger.warning("%s", note)
+    start = time.perf_counter()
     model = ReferenceModel(model_config, device=device, seed=args.seed)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("model ready in %.1f s: weights %.1f MiB", time.perf_counter() - start, weights / MiB)
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
+    logger.info("capturing graphs (--device-graph-mode %s)", graphs.source)
     return Engine(model, engine_config, device_graph_mode=graphs, progress=args.progress)
 
 
@@ -137,7 +178,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     engine = build_engine(args)
+    start = time.perf_counter()
     engine.warm_up()
+    logger.info("warm-up requests served in %.1f s", time.perf_counter() - start)
     preset = args.preset or device_defaults(engine.model.device)["preset"]
     model_name = args.served_model_name or preset
     loop = EngineLoop(engine)
@@ -148,7 +191,10 @@ def serve(args: argparse.Namespace) -> int:
         else None
     )
     if metrics is None:
-        logger.warning("prometheus_client is not installed: GET /metrics answers 501")
+        logger.warning(
+            "prometheus_client is not installed: GET /metrics answers 501; %s",
+            install_hint("serve"),
+        )
     try:
         return asyncio.run(_run(args, loop, model_name, metrics))
     finally:

@@ -6,6 +6,10 @@ servers (one per ``--device-graph-mode``) get the same requests in the same orde
 is either a fixed number of requests in flight (``--concurrency``) or Poisson arrivals
 (``--request-rate``). Every request's output token ids are kept, so greedy runs of two modes can be
 compared token for token.
+
+Every request the load generator sends, the model card (``GET /v1/models``) included, gives up after
+``--timeout`` seconds: a server that accepts connections and never answers cannot hang the run. A model
+card that is not devgraph serve's is one :class:`~devgraph.errors.ConfigError` line.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from devgraph.messages import shorten
+from devgraph.serve.api.protocol import ModelCard, parse_model_card
 from devgraph.serve.bench.report import summarize, summary_table
 
 __all__ = [
@@ -112,10 +117,39 @@ def make_trace(
     return trace
 
 
-async def fetch_model(session: Any, url: str) -> dict[str, Any]:
-    async with session.get(f"{url}/v1/models") as response:
-        response.raise_for_status()
-        return (await response.json())["data"][0]
+async def fetch_model(session: Any, url: str, timeout: float) -> ModelCard:
+    """``GET {url}/v1/models`` within ``timeout`` seconds; :class:`ConfigError` (one line) when the server
+    does not answer in time, answers with an error, or answers something that is not a model card."""
+    import aiohttp
+
+    from devgraph.errors import ConfigError
+
+    what = f"GET {url}/v1/models"
+    try:
+        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            if response.status != 200:
+                detail = _error_message(await response.text())
+                raise ConfigError(
+                    f"{what} answered HTTP {response.status} ({shorten(detail, 200)}); is --url the base URL "
+                    "of a devgraph serve?"
+                )
+            body = await response.read()
+    except asyncio.TimeoutError:
+        raise ConfigError(
+            f"{what} got no answer within --timeout {timeout:g} s (the server accepted the connection but "
+            "did not reply); is it still starting or stuck? Raise --timeout, or check the server"
+        ) from None
+    except aiohttp.ClientError as exc:
+        if isinstance(exc, OSError):  # could not connect: run_from_args says so with the start hint
+            raise
+        raise ConfigError(f"{what} failed: {type(exc).__name__}: {shorten(str(exc), 200)}") from None
+    try:
+        return parse_model_card(json.loads(body))
+    except (ValueError, RecursionError) as exc:  # not JSON (JSONDecodeError, bad UTF-8), or not a card
+        raise ConfigError(
+            f"{what} did not answer with devgraph serve's model card: {shorten(str(exc), 200)}; is --url "
+            "the base URL of a devgraph serve?"
+        ) from None
 
 
 async def _one(
@@ -212,8 +246,10 @@ async def run_load(
 
     url = url.rstrip("/")
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        model = model or (await fetch_model(session, url))["id"]
+    # Every request gives up after `timeout` seconds, including any the session makes without its own.
+    session_timeout = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=session_timeout) as session:
+        model = model or (await fetch_model(session, url, timeout)).id
         bar = tqdm(total=len(trace), desc="requests", unit="req", disable=not progress, file=sys.stderr)
         results: list[RequestResult | None] = [None] * len(trace)
 
@@ -268,26 +304,20 @@ def run_from_args(args: argparse.Namespace) -> int:
     async def main() -> dict[str, Any]:
         import aiohttp
 
-        async with aiohttp.ClientSession() as session:
-            try:
-                card = await fetch_model(session, args.url.rstrip("/"))
-            except (aiohttp.ClientResponseError, aiohttp.ContentTypeError, KeyError, IndexError) as exc:
-                raise ConfigError(
-                    f"{args.url} did not answer GET /v1/models like devgraph serve does "
-                    f"({type(exc).__name__}: {shorten(str(exc))}); is --url the server's base URL?"
-                ) from None
-        warning = check_lengths(args.prompt_len, args.output_len, card["max_seq_len"])
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
+            card = await fetch_model(session, args.url.rstrip("/"), args.timeout)
+        warning = check_lengths(args.prompt_len, args.output_len, card.max_seq_len)
         if warning:
             print(f"devgraph bench serve: warning: {warning}", file=sys.stderr, flush=True)
         trace = make_trace(
             args.num_requests,
             args.prompt_len,
             args.output_len,
-            card["vocab_size"],
-            card["max_seq_len"],
+            card.vocab_size,
+            card.max_seq_len,
             args.seed,
         )
-        lengths.update(trace_lengths(trace), context=card["max_seq_len"], cut=warning is not None)
+        lengths.update(trace_lengths(trace), context=card.max_seq_len, cut=warning is not None)
         return await run_load(
             args.url,
             trace,
@@ -297,7 +327,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             seed=args.seed,
             timeout=args.timeout,
             progress=not args.no_progress,
-            model=card["id"],
+            model=card.id,
         )
 
     try:

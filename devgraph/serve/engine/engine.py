@@ -37,15 +37,23 @@ __all__ = ["Engine", "check_warm_up_fits"]
 
 logger = logging.getLogger(__name__)
 
-#: The start-up warm-up's longer prompt (tokens), cut to the context.
+#: The start-up warm-up's longer prompt and its output (tokens), both cut to the context.
 WARMUP_PROMPT = 100
+WARMUP_OUTPUT = 2
+
+
+def _warm_up_lengths(config: ReferenceConfig) -> tuple[int, int]:
+    """The warm-up's longer prompt and its ``max_tokens``, cut so the request fits any context of two or
+    more tokens (the smallest ``--max-seq-len``): the warm-up is the server's, never the user's problem."""
+    output = max(1, min(WARMUP_OUTPUT, config.max_seq_len - 1))
+    return max(1, min(WARMUP_PROMPT, config.max_seq_len - output)), output
 
 
 def check_warm_up_fits(config: ReferenceConfig) -> int:
     """The warm-up's longer prompt length; :class:`ConfigError` naming the ``--num-blocks`` it needs when
     the KV cache cannot hold that request (call it before allocating anything)."""
-    longest = max(1, min(WARMUP_PROMPT, config.max_seq_len - 2))
-    tokens = longest + 2  # max_tokens=2
+    longest, output = _warm_up_lengths(config)
+    tokens = longest + output
     needed = -(-tokens // config.block_size)
     usable = config.total_blocks - 1  # block 0 is scratch
     if needed > usable:
@@ -94,8 +102,8 @@ class Engine:
             else DeviceGraphConfig.parse(device_graph_mode or "auto")
         )
         # The flag's sizes win over the engine's: cut them to what a step can hold.
-        graphs = cap_phase_sizes(graphs, "decode", running, "max_running_requests")
-        graphs = cap_phase_sizes(graphs, "prefill", budget, "token_budget")
+        graphs = cap_phase_sizes(graphs, "decode", running, "max_running_requests (--max-running-requests)")
+        graphs = cap_phase_sizes(graphs, "prefill", budget, "token_budget (--token-budget)")
         # Deterministic mode pins one shape per phase; otherwise a ladder of sizes up to the limits.
         pinned = self.config.deterministic
         decode_sizes: dict[str, Any] = {"sizes": [running]} if pinned else {"max_size": running}
@@ -125,7 +133,8 @@ class Engine:
         initialisation, kernel compilation in eager mode) do not land on the first real request; then
         zero every counter. :class:`ConfigError` when the KV cache cannot hold the longer one."""
         longest = check_warm_up_fits(self.model_config)
-        self.generate([[0], [1] * longest], SamplingParams(max_tokens=2))
+        output = _warm_up_lengths(self.model_config)[1]
+        self.generate([[0], [1] * longest], SamplingParams(max_tokens=output))
         self.step_counts.clear()
         self.finished_count.clear()
         self.engine_padding = 0
