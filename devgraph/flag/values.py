@@ -149,19 +149,19 @@ def _check_choice(value: object, what: str, accepted: tuple[str, ...]) -> str:
     return value
 
 
-def _check_int(value: object, what: str, low: int, high: int) -> int:
+def _check_int(value: object, what: str, low: int, high: int, python: bool) -> int:
+    wanted = f"an int in [{low}, {high}]" if python else f"an integer from {low} to {high}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(
-            f"{what} must be an integer from {low} to {high}, got {shorten(value)} ({kind(value)})"
-        )
+        raise ConfigError(f"{what} must be {wanted}, got {shorten(value)} ({kind(value)})")
     if not low <= value <= high:
-        raise ConfigError(f"{what} must be an integer from {low} to {high}, got {shorten(value)}")
+        raise ConfigError(f"{what} must be {wanted}, got {shorten(value)}")
     return value
 
 
-def _check_bool(value: object, what: str) -> bool:
+def _check_bool(value: object, what: str, python: bool) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{what} must be true or false, got {shorten(value)} ({kind(value)})")
+        wanted = "True or False" if python else "true or false"
+        raise ConfigError(f"{what} must be {wanted}, got {shorten(value)} ({kind(value)})")
     return value
 
 
@@ -190,8 +190,14 @@ def _size_phase(phase: str | None) -> str:
     return max(HARD_MAX_SIZE, key=lambda p: HARD_MAX_SIZE[p])
 
 
-def check_field(key: str, value: Any, what: str, phase: str | None, modes: ModeNames | None) -> Any:
-    """One phase key, checked and normalized (``sizes`` becomes a tuple, in the order given)."""
+def check_field(
+    key: str, value: Any, what: str, phase: str | None, modes: ModeNames | None, *, python: bool = False
+) -> Any:
+    """One phase key, checked and normalized (``sizes`` becomes a tuple, in the order given).
+
+    The same check for the flag's JSON and for a runner's argument; ``python`` words the refusal the way
+    Python spells it (``an int in [0, 16]``, ``True or False``) rather than JSON (``an integer from 0 to
+    16``, ``true or false``)."""
     if key == "backend":
         return check_mode(value, what, modes)
     if key == "sizes":
@@ -207,13 +213,13 @@ def check_field(key: str, value: Any, what: str, phase: str | None, modes: ModeN
     if key == "cache_dir":
         return _check_cache_dir(value, what)
     if key == "warmup_iters":
-        return _check_int(value, what, 0, WARMUP_ITERS_MAX)
+        return _check_int(value, what, 0, WARMUP_ITERS_MAX, python)
     if key == "lazy":
-        return _check_bool(value, what)
+        return _check_bool(value, what, python)
     if key == "max_graphs":
-        return _check_int(value, what, 1, MAX_GRAPHS_MAX)
+        return _check_int(value, what, 1, MAX_GRAPHS_MAX, python)
     if key == "max_graph_bytes":
-        return _check_int(value, what, 0, MAX_GRAPH_BYTES_MAX)
+        return _check_int(value, what, 0, MAX_GRAPH_BYTES_MAX, python)
     raise bad(key, "key", PHASE_KEYS)
 
 

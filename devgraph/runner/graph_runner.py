@@ -1,16 +1,17 @@
 """``GraphRunner``: capture a phase's forward at start-up (or on first sight), replay it on every step.
 
-The runner assembles the pieces: :mod:`~devgraph.runner.staging` validates and pads inputs, the
-:mod:`~devgraph.runner.dispatch` dispatcher decides graph or eager and which key, the backend captures and
-replays, :mod:`~devgraph.runner.outputs.layout` hands the same structure back on every path,
-:mod:`~devgraph.runner.stats` counts.
+The runner assembles its parts from one :class:`~devgraph.runner.plan.RunnerPlan` (the flag and the
+arguments resolved once): :mod:`~devgraph.runner.staging` validates and pads inputs, the
+:mod:`~devgraph.runner.dispatch` dispatcher decides graph or eager and which key, the backend captures
+(:mod:`~devgraph.runner.capture.graphs`) and replays, :mod:`~devgraph.runner.outputs.layout` hands the same
+structure back on every path, :mod:`~devgraph.runner.stats` counts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -20,29 +21,20 @@ from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.context import forward_context
 from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
-from devgraph.contract.phases import Phase
 from devgraph.errors import ConfigError, InputError
 from devgraph.flag.config import DeviceGraphConfig
+from devgraph.flag.factory import ResolvedPhase
 from devgraph.messages import shorten
-from devgraph.ranks import CaptureSync, assert_same_key, rank_of, release_backend, track_runner
-from devgraph.runner.capture.lazy import LazyGraphs, LazyPolicy
-from devgraph.runner.capture.loop import (
-    CaptureJob,
-    CaptureReport,
-    KeyReport,
-    capture_keys,
-    frozen_gc,
-    show_progress,
-)
-from devgraph.runner.capture.probe import probe_layout
+from devgraph.ranks import assert_same_key, release_backend, track_runner
+from devgraph.runner.capture.graphs import RunnerGraphs
+from devgraph.runner.capture.loop import CaptureReport
 from devgraph.runner.dispatch import Decision, Dispatcher
 from devgraph.runner.inspection import describe_runner
-from devgraph.runner.outputs.layout import OutputLayout, check_output_axes
+from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.outputs.trees import copy_into_out, copy_tree
-from devgraph.runner.plan import check_inputs, resolve_backend, runner_device, warmup_count
-from devgraph.runner.schedule import AxisSizes, schedule_for
+from devgraph.runner.plan import plan_runner
+from devgraph.runner.schedule import AxisSizes, KeySchedule
 from devgraph.runner.staging import StaticBuffers, StepValidator
-from devgraph.runner.state import as_state
 from devgraph.runner.stats import RunnerStats
 from devgraph.runner.verify import VerifyResult, compare
 
@@ -60,11 +52,14 @@ class GraphRunner:
     ``forward(**inputs, **variant)`` takes one tensor per declared :class:`StaticInput` (rows follow the
     input's axis: the step's token count, or its request count, ...) and returns any pytree of tensors;
     model state (weights, KV cache) is reached through the closure. Choose the backend with ``mode`` (a
-    strategy name) or ``config`` (a parsed ``--device-graph-mode``). See docs/user-guide.md.
+    strategy name) or ``config`` (a parsed ``--device-graph-mode``). The arguments are resolved once into
+    :attr:`plan` (:mod:`devgraph.runner.plan`): those the flag also has are checked as its values are, and
+    the flag wins where both set one. See docs/user-guide.md.
 
     Thread safety: ``run``, ``verify``, ``capture`` and ``close`` hold one lock, so steps from several
     threads never interleave. What ``run`` returns is valid until the next ``run`` from any thread: threads
-    sharing a runner pass ``copy=True`` (or ``out=``).
+    sharing a runner pass ``copy=True`` (or ``out=``). ``single_thread=True`` drops the lock for an engine
+    that calls the runner from one thread only.
     """
 
     def __init__(
@@ -95,55 +90,48 @@ class GraphRunner:
         max_graph_bytes: int | None = None,
         capture_hook: Callable[[], Any] | None = None,
         check_lockstep: bool = False,
+        single_thread: bool = False,
     ) -> None:
         if not callable(forward):
             raise ConfigError(f"GraphRunner forward must be callable, got {shorten(forward)}")
         self.forward = forward
-        self.phase: str = Phase.parse(phase).value
-        self.input_specs: dict[str, StaticInput] = check_inputs(self.phase, inputs, RESERVED_NAMES)
-        self.capture_context = capture_context
-        self.process_group = process_group
-        self.progress = progress
-        self.capture_hook = capture_hook
-        # Ranks of a tensor-parallel group must replay the same key each step (one small all-gather; tests).
-        self.check_lockstep = check_lockstep
-
-        self.config, self.resolved, backend = resolve_backend(
-            self.phase, device, mode, config, compiler, features, backend
+        flag_keys = {"sizes": sizes, "max_size": max_size, "compiler": compiler, "warmup_iters": warmup_iters}
+        flag_keys.update(lazy=lazy, max_graphs=max_graphs, max_graph_bytes=max_graph_bytes)
+        self.plan, backend = plan_runner(
+            phase=phase,
+            inputs=inputs,
+            reserved=RESERVED_NAMES,
+            device=device,
+            backend=backend,
+            features=features,
+            mode=mode,
+            config=config,
+            arguments=flag_keys,
+            axes=axes,
+            tokens_per_request=tokens_per_request,
+            variants=variants,
+            capture_context=capture_context,
+            capture_hook=capture_hook,
+            progress=progress,
+            process_group=process_group,
+            state=state,
+            output_axes=output_axes,
+            check_lockstep=check_lockstep,
+            single_thread=single_thread,
         )
-        phase_config = self.resolved.config
+        plan = self.plan
         self.backend: DeviceGraphBackend = backend
-        self.platform = backend.platform
-        self.device = runner_device(device, self.platform)
-
-        self.schedule = schedule_for(self, phase_config, sizes, max_size, axes, tokens_per_request, variants)
-        self.tokens_per_request = self.schedule.tokens_per_request
-        self._dispatcher = Dispatcher(self.schedule)
-        self._validator = StepValidator(
-            self.phase, self.input_specs, self.device, self.tokens_per_request, self.schedule.variants
-        )
-        self._buffers = StaticBuffers(self.input_specs, self.schedule.max_rows(), self.device)
+        #: Check each step that every rank replays the same key (an all-gather); may flip between steps.
+        self.check_lockstep: bool = plan.check_lockstep
+        self._dispatcher = Dispatcher(plan.schedule)
+        self._validator = StepValidator(plan)
+        self._buffers = StaticBuffers(plan.inputs, plan.schedule.max_rows(), plan.device)
         # Decode's request count is its token count: an output following either is cut the same way.
-        linked = frozenset({REQUESTS}) if self.tokens_per_request == 1 else frozenset()
-        self._layout = OutputLayout(check_output_axes(output_axes), same_as_tokens=linked)
-        self._state = as_state(state)
-        self.warmup_iters = warmup_count(phase_config.warmup_iters, warmup_iters, self.platform)
-        self.lazy = bool(phase_config.lazy if phase_config.lazy is not None else lazy)
+        linked = frozenset({REQUESTS}) if plan.tokens_per_request == 1 else frozenset()
+        self._layout = OutputLayout(plan.output_axes, same_as_tokens=linked)
         self._stats = RunnerStats()
-        self._lazy = LazyGraphs(
-            LazyPolicy(
-                phase_config.max_graphs if phase_config.max_graphs is not None else max_graphs,
-                phase_config.max_graph_bytes if phase_config.max_graph_bytes is not None else max_graph_bytes,
-            ),
-            self._stats,
-            has_graph=backend.has_shape,
-            capture=lambda key: self._capture([key], collect=False)[0].bytes,
-            release=self._release_key,
-        )
-        self._lock = threading.RLock()
-        self._closed = False
-        self._captured = False
-        self._key_reports: dict[GraphKey, KeyReport] = {}
+        self._lock = contextlib.nullcontext() if plan.single_thread else threading.RLock()
+        self._closed = self._captured = False
         self.report: CaptureReport | None = None
         self._check_can_run = type(backend).can_run is not DeviceGraphBackend.can_run
         backend.bind(self)  # first: a backend another runner owns is refused before anything is compiled
@@ -151,10 +139,51 @@ class GraphRunner:
             # Graphs of an earlier owner that was dropped without close(): they read its buffers, not ours.
             logger.info("devgraph: releasing graphs a previous runner left in its %s backend", backend.name)
             backend.cleanup()
-        self._graph_forward = backend.wrap_forward(forward)
-        track_runner(self, process_group)  # devgraph.ranks.destroy_process_group() closes it first
+        graph_forward = self._graph_forward = backend.wrap_forward(forward)
+        self._graphs = RunnerGraphs(plan, backend, graph_forward, self._buffers, self._layout, self._stats)
+        track_runner(self, plan.process_group)  # devgraph.ranks.destroy_process_group() closes it first
 
-    # -- properties ---------------------------------------------------------------------------------
+    # -- what the plan resolved (runner.plan has it all) --------------------------------------------
+    @property
+    def phase(self) -> str:
+        return self.plan.phase
+
+    @property
+    def platform(self) -> Any:
+        return self.plan.platform
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def input_specs(self) -> Mapping[str, StaticInput]:
+        return self.plan.inputs
+
+    @property
+    def schedule(self) -> KeySchedule:
+        return self.plan.schedule
+
+    @property
+    def tokens_per_request(self) -> int | None:
+        return self.plan.tokens_per_request
+
+    @property
+    def warmup_iters(self) -> int:
+        return self.plan.capture.warmup_iters
+
+    @property
+    def lazy(self) -> bool:
+        return self.plan.capture.lazy
+
+    @property
+    def config(self) -> DeviceGraphConfig:
+        return self.plan.flag
+
+    @property
+    def resolved(self) -> ResolvedPhase:
+        return self.plan.resolved
+
     @property
     def sizes(self) -> tuple[int, ...]:
         """The token sizes this runner captures."""
@@ -191,67 +220,10 @@ class GraphRunner:
         """
         with self._lock:
             self._check_open()
-            if self._captured:
-                return self.report or self._empty_report()
-            report = self._empty_report()
-            if self.backend.uses_graphs:
-                self.backend.prepare(self.input_specs, () if self.lazy else self.schedule.keys())
-                if not self.lazy:
-                    start = time.perf_counter()
-                    report.keys = self._capture(self.schedule.keys(), collect=True)
-                    report.seconds = time.perf_counter() - start
-                    if rank_of(self.process_group) == 0:  # one report per tensor-parallel group
-                        logger.info("%s", report.table())
-            self._captured = True
-            self.report = report
-            return report
-
-    def _empty_report(self) -> CaptureReport:
-        return CaptureReport(self.phase, self.backend.name, self.platform.name)
-
-    def _capture(self, keys: Sequence[GraphKey], *, collect: bool) -> list[KeyReport]:
-        # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
-        sync = CaptureSync(self.platform, self.process_group, self.phase, keys, self.backend)
-        job = CaptureJob(
-            phase=self.phase,
-            backend=self.backend,
-            platform=self.platform,
-            forward=self._graph_forward,
-            inputs_for=lambda key: {**self._buffers.views(key), **key.variant_dict},
-            warmup_iters=self.warmup_iters,
-            max_size=self.schedule.max_tokens,
-            capture_context=self.capture_context,
-            barrier=sync.barrier,
-            ready=sync.ready,
-            on_captured=self._layout.observe,
-            finish=self._learn_layout,
-            hook=self.capture_hook,
-            agree=sync.agree,
-            progress="off" if self.lazy else show_progress(self.progress, rank_of(self.process_group)),
-            shared_pool=not self.lazy,
-        )
-        with self._state.preserved(), frozen_gc(collect):
-            self._buffers.reset()
-            try:
-                reports = capture_keys(job, keys)
-            except BaseException:
-                if self.lazy:
-                    for key in keys:  # this key only: graphs captured earlier keep serving
-                        self._layout.forget(key)
-                        if self.backend.has_shape(key):
-                            self.backend.release(key)
-                        self._lazy.failed.add(key)
-                else:
-                    self.backend.cleanup()
-                raise
-        reports.sort(key=lambda r: r.key.sort_key())
-        self._key_reports.update((r.key, r) for r in reports)
-        return reports
-
-    def _learn_layout(self, key: GraphKey) -> None:
-        if self._layout.axes is None:
-            probe_layout(self, key)
-            self._layout.finish()
+            if not self._captured:
+                self.report = self._graphs.start_up()
+                self._captured = True
+            return self.report or self._graphs.empty_report()
 
     # -- run ----------------------------------------------------------------------------------------
     def run(
@@ -305,7 +277,7 @@ class GraphRunner:
             captured=self._captured,
             has_shape=backend.has_shape,
             lazy=self.lazy,
-            failed=self._lazy.failed,
+            failed=self._graphs.lazy.failed,
             can_run=can_run,
         )
 
@@ -321,13 +293,13 @@ class GraphRunner:
         decision = self._decide(step, variant, context)
         key = decision.key
         if self.check_lockstep:
-            assert_same_key(self.process_group, key)
+            assert_same_key(self.plan.process_group, key)
         if key is None:
             if count:
                 self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
             return self._eager(context, variant, inputs)
         if self.lazy:
-            self._lazy.lookup(key, count)
+            self._graphs.lazy.lookup(key, count)
         self._buffers.stage(step.counts, key, inputs)
         with forward_context(context), self.backend.runtime_session():
             raw = self.backend.replay(key, self._buffers.buffers)
@@ -341,11 +313,6 @@ class GraphRunner:
         # The plain forward, never the compiled one: an eager step can never trigger a recompile.
         with forward_context(context), torch.no_grad():
             return self.forward(**owned, **variant)
-
-    def _release_key(self, key: GraphKey) -> None:
-        self.backend.release(key)
-        self._key_reports.pop(key, None)
-        self._layout.forget(key)
 
     # -- checks -------------------------------------------------------------------------------------
     def verify(
@@ -370,7 +337,7 @@ class GraphRunner:
             step, chosen = self._validator.validate(n, counts, variant, inputs)
             self._stats.verify_calls += 1
             key = self._decide(step, chosen, context).key
-            with self._state.preserved() as restore:
+            with self.plan.state.preserved() as restore:
                 graph = copy_tree(self._step(step, chosen, context, inputs, count=False))
                 restore()
                 unpadded = copy_tree(self._eager(context, chosen, inputs))
@@ -396,7 +363,8 @@ class GraphRunner:
     def inspect(self) -> dict[str, Any]:
         """What was set up and captured, as plain data (no private attributes needed)."""
         with self._lock:
-            return describe_runner(self, self._key_reports, self._layout, self._state)
+            captured = self.report is not None
+            return describe_runner(self.plan, self.backend, self._graphs.reports, self._layout, captured)
 
     # -- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -405,12 +373,11 @@ class GraphRunner:
             if self._closed:
                 return
             try:
-                release_backend(self.backend, self.process_group, self.platform)
+                release_backend(self.backend, self.plan.process_group, self.platform)
             finally:
                 self.backend.unbind(self)
                 self._buffers.clear()
-                self._lazy.clear()
-                self._key_reports.clear()
+                self._graphs.clear()
                 self._captured = False
                 self.report = None
                 self._closed = True

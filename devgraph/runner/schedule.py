@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import REQUESTS, TOKENS, GraphKey
 from devgraph.contract.phases import Phase
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
 from devgraph.flag.config import PhaseConfig
 from devgraph.flag.sizes import resolve_sizes
@@ -178,20 +180,20 @@ def tokens_per_request_for(phase: Phase, given: int | None) -> int | None:
     return given
 
 
-def _free_bytes(runner: Any) -> int | None:
+def _free_bytes(platform: GraphPlatform) -> int | None:
     try:
-        return runner.platform.mem_get_info()[0]
+        return platform.mem_get_info()[0]
     except Exception:  # a platform that cannot tell: the defaults assume plenty
         return None
 
 
-def _row_bytes(runner: Any) -> int:
+def _row_bytes(inputs: Mapping[str, StaticInput]) -> int:
     """Static-input bytes per token row (request-axis inputs counted as if one request per token)."""
     return max(
         1,
         sum(
             spec.dtype.itemsize * max(1, int(torch.Size(spec.shape).numel()))
-            for spec in runner.input_specs.values()
+            for spec in inputs.values()
             if not spec.host
         ),
     )
@@ -229,28 +231,28 @@ def _verify_sizes(
 
 
 def schedule_for(
-    runner: Any,
-    phase_config: PhaseConfig,
-    sizes: Sequence[int] | None,
-    max_size: int | None,
+    phase: Phase,
+    inputs: Mapping[str, StaticInput],
+    platform: GraphPlatform,
+    settings: PhaseConfig,
     axes: Mapping[str, AxisSizes] | None,
     tokens_per_request: int | None,
     variants: Mapping[str, Sequence[Hashable]] | None,
 ) -> KeySchedule:
-    """The runner's keys: token sizes (flag first, then arguments, then defaults), axes and variants."""
-    phase = Phase(runner.phase)
+    """A runner's keys: token sizes from its settings (``sizes``, ``max_size``; else the phase's defaults
+    under the device's free memory), the buckets of every other axis, and the variants."""
     tpr = tokens_per_request_for(phase, tokens_per_request)
-    chosen_sizes = phase_config.sizes or sizes
-    chosen_max = phase_config.max_size or max_size
-    free = _free_bytes(runner)
-    row_bytes = _row_bytes(runner)
+    free = _free_bytes(platform)
+    row_bytes = _row_bytes(inputs)
     if phase is Phase.VERIFY:
         assert tpr is not None
-        token_sizes = _verify_sizes(chosen_sizes, chosen_max, tpr, free, row_bytes)
+        token_sizes = _verify_sizes(settings.sizes, settings.max_size, tpr, free, row_bytes)
     else:
-        token_sizes = resolve_sizes(phase.value, chosen_sizes, chosen_max, free, row_bytes=row_bytes).sizes
-    axis_names = [spec.axis for spec in runner.input_specs.values()]
-    clashing = sorted(set(variants or {}) & set(runner.input_specs))
+        token_sizes = resolve_sizes(
+            phase.value, settings.sizes, settings.max_size, free, row_bytes=row_bytes
+        ).sizes
+    axis_names = [spec.axis for spec in inputs.values()]
+    clashing = sorted(set(variants or {}) & set(inputs))
     if clashing:
         raise ConfigError(
             f"variants {clashing} share their names with inputs; the forward gets both as keyword "

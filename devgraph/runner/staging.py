@@ -16,6 +16,7 @@ from devgraph.contract.inputs import EDGE, StaticInput
 from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.errors import InputError
 from devgraph.messages import shorten
+from devgraph.runner.plan import RunnerPlan
 
 __all__ = ["StaticBuffers", "StepValidator", "leading_rows"]
 
@@ -31,25 +32,19 @@ def _count(value: Any, what: str) -> int:
 
 
 class StepValidator:
-    """Checks a step's inputs against the declared :class:`StaticInput` s and derives its counts.
+    """Checks a step's inputs against the plan's :class:`StaticInput` s and derives its counts.
 
     ``tokens_per_request`` is set for uniform phases (decode: 1, verify: ``1 + k``): the request count
-    then follows from ``n``. ``reserved`` are names ``run()`` uses for its own keywords.
+    then follows from ``n``.
     """
 
-    def __init__(
-        self,
-        phase: str,
-        specs: Mapping[str, StaticInput],
-        device: torch.device,
-        tokens_per_request: int | None,
-        variants: Mapping[str, tuple[Any, ...]],
-    ) -> None:
-        self.phase = phase
+    def __init__(self, plan: RunnerPlan) -> None:
+        specs = plan.inputs
+        self.phase = plan.phase
         self.specs = dict(specs)
-        self.device = device
-        self.tokens_per_request = tokens_per_request
-        self.variants = dict(variants)
+        self.device = plan.device
+        self.tokens_per_request = plan.tokens_per_request
+        self.variants = dict(plan.schedule.variants)
         self.axes = tuple(sorted({s.axis for s in specs.values()} - {TOKENS}))
         self._names = frozenset(specs)
         self._first_of_axis = {
