@@ -301,7 +301,7 @@ def plot(results: Mapping[str, Any], path: str) -> None:
     """Latency per batch for each variant, one panel per preset (log scale: eager is 10x the graphs)."""
     from pathlib import Path
 
-    from bench_common import Panel, plot_panels
+    from harness.plots import Panel, plot_panels
 
     panels = []
     for name, preset in results.get("presets", {}).items():
