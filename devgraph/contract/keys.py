@@ -1,5 +1,5 @@
-"""``GraphKey``: what one captured graph is for — a size on each axis plus engine-declared variants — and
-``Batch``: one step, which pads up to a key.
+"""``GraphKey``: what one captured graph is for — a size on each axis plus engine-declared variants;
+``Batch``: one step, which pads up to a key; ``bucket_index``: the one rule for which size a count pads to.
 
 A key is small, hashable and ordered, so backends can keep graphs in a dict and the runner can capture
 largest first. ``tokens`` is the phase's primary size (a decode batch size, a prefill token count); every
@@ -10,11 +10,12 @@ specialised for (``lora=True``, a uniform query length).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+import bisect
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Batch", "GraphKey", "TOKENS", "REQUESTS"]
+__all__ = ["Batch", "GraphKey", "TOKENS", "REQUESTS", "bucket_index"]
 
 #: The primary axis of every phase: the number of rows the step's size counts.
 TOKENS = "tokens"
@@ -98,3 +99,10 @@ class Batch:
     def routed(self, key: GraphKey, context: Any) -> Batch:
         """This step as a backend's ``can_run`` sees it: on ``key``, with the live ``context``."""
         return Batch(self.n, key, self.counts, context)
+
+
+def bucket_index(sizes: Sequence[int], n: int) -> int:
+    """Where ``n`` pads to among ascending ``sizes``: the position of the smallest size ``>= n``, or
+    ``len(sizes)`` when none holds it. The one bucketing rule: ``SizeSchedule.bucket`` (the flag's sizes)
+    and the runner's dispatcher (for tokens and for every other axis) both use it."""
+    return bisect.bisect_left(sizes, n)

@@ -7,11 +7,11 @@ row of its static inputs takes). Both are named in the error, so a user sees whi
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from devgraph.contract.keys import bucket_index
 from devgraph.contract.phases import Phase
 from devgraph.errors import ConfigError
 from devgraph.messages import kind, shorten
@@ -22,7 +22,6 @@ __all__ = [
     "HARD_MAX_SIZE",
     "MAX_SIZE_COUNT",
     "SizeSchedule",
-    "bucket_index",
     "check_size",
     "default_max_size",
     "device_max_size",
@@ -138,13 +137,6 @@ def default_max_size(phase: str, free_bytes: int | None) -> int:
             if free_bytes < threshold:
                 return decode_max if decode else prefill_max
     return _MAX_LARGEST[0] if decode else _MAX_LARGEST[1]
-
-
-def bucket_index(sizes: Sequence[int], n: int) -> int:
-    """Where ``n`` pads to among ascending ``sizes``: the position of the smallest size ``>= n``, or
-    ``len(sizes)`` when none holds it. The one bucketing rule: :meth:`SizeSchedule.bucket` and the runner's
-    dispatcher (for tokens and for every other axis) both use it."""
-    return bisect.bisect_left(sizes, n)
 
 
 @dataclass(frozen=True)

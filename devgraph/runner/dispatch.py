@@ -12,9 +12,8 @@ from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from devgraph.contract.keys import TOKENS, GraphKey
+from devgraph.contract.keys import TOKENS, GraphKey, bucket_index
 from devgraph.contract.modes import Word
-from devgraph.flag.sizes import bucket_index
 from devgraph.runner.schedule import KeySchedule
 
 __all__ = ["Decision", "Dispatcher", "EagerReason"]
