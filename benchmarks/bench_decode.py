@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -54,7 +53,7 @@ from decode_bench.plan import GPU, SMOKE
 from decode_bench.plots import plot, summary
 from decode_bench.sections import Bench
 from decode_bench.targets import compute_targets
-from harness.device import Budget, Device
+from harness.device import Budget, Device, start
 from harness.report import Report, environment, output_path
 from harness.targets import targets_table
 
@@ -87,10 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     plan = SMOKE if args.smoke else GPU
-    if not args.smoke and not torch.cuda.is_available():
-        print("no CUDA GPU here; use --smoke to check the script on the CPU", file=sys.stderr)
+    if not start(args.smoke):
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.child:
         with torch.no_grad():
             result = (ro_child if args.child == "ro" else probe_child)(args, plan)

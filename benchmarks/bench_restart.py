@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from harness.cases import KVPlan
 from harness.children import child_env
-from harness.device import Device
+from harness.device import Device, start
 from harness.report import Report, diff, environment, output_path
 from harness.targets import Target, targets_table
 
@@ -180,10 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--logits", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.compiler = args.compiler or ("eager" if args.smoke else "inductor")
-    if not args.smoke and not torch.cuda.is_available():
-        print("no CUDA GPU here; use --smoke to check the script on the CPU", file=sys.stderr)
+    if not start(args.smoke):
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.child:
         with torch.no_grad():
             result = child(args)

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import gc
+import logging
 import platform as host_platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "Budget", "Device", "MiB", "host_us"]
+__all__ = ["Batch", "Budget", "Device", "MiB", "host_us", "start"]
 
 Batch = dict[str, torch.Tensor]
 MiB = 1 << 20
@@ -104,3 +106,12 @@ class Budget:
 
     def allows(self, estimate: float) -> bool:
         return self.left() >= estimate
+
+
+def start(smoke: bool) -> bool:
+    """Log at INFO with times; ``False`` (after saying why on stderr) when a GPU run finds no CUDA GPU."""
+    if not smoke and not torch.cuda.is_available():
+        print("no CUDA GPU here; use --smoke to check the script on the CPU", file=sys.stderr)
+        return False
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return True

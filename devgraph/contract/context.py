@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 __all__ = [
@@ -59,22 +59,20 @@ def forward_context(context: Any) -> Iterator[Any]:
 
 
 @contextmanager
-def capture_flag(on: bool = True) -> Iterator[None]:
+def _switched(flag: str, on: bool) -> Iterator[None]:
+    previous = getattr(_state, flag)
+    setattr(_state, flag, on)
+    try:
+        yield
+    finally:
+        setattr(_state, flag, previous)
+
+
+def capture_flag(on: bool = True) -> AbstractContextManager[None]:
     """Mark the enclosed code as running under capture (set by backends, read via :func:`is_capturing`)."""
-    previous = _state.capturing
-    _state.capturing = on
-    try:
-        yield
-    finally:
-        _state.capturing = previous
+    return _switched("capturing", on)
 
 
-@contextmanager
-def replay_flag(on: bool = True) -> Iterator[None]:
+def replay_flag(on: bool = True) -> AbstractContextManager[None]:
     """Mark the enclosed code as running under replay (set by backends, read via :func:`is_replaying`)."""
-    previous = _state.replaying
-    _state.replaying = on
-    try:
-        yield
-    finally:
-        _state.replaying = previous
+    return _switched("replaying", on)

@@ -64,35 +64,30 @@ def _is_lazy_handle(exc: BaseException) -> bool:
     return any(n in text for n in ("cublas_status_not_initialized", "cublascreate", "hipblascreate"))
 
 
-def _warm_up(phase: str, max_size: int, backend: str) -> str:
-    return (
-        "a library created a handle or workspace inside the capture: warm the forward up on the capture "
-        "stream first (warmup_iters >= 1, or the flag's warmup_iters), so it happens before capture"
-    )
-
-
-def _oom(phase: str, max_size: int, backend: str) -> str:
-    return (
-        f"capture fewer or smaller sizes (max_size is {max_size}: pass a lower max_size or an explicit "
-        "sizes list), leave more device memory free (a smaller KV cache), or disable graphs for this phase "
-        f"with --device-graph-mode '{phase}=disabled'"
-    )
-
-
-def _aliasing(phase: str, max_size: int, backend: str) -> str:
-    return (
-        "a @devgraph.graph_break op returned a view of one of its inputs; break ops must return new "
-        "tensors (return out.clone() or build the result with a new tensor). Changing sizes or modes "
-        "does not help"
-    )
-
-
-def _dynamo(phase: str, max_size: int, backend: str) -> str:
-    return (
-        "torch.compile could not trace the forward as one graph: move the untraceable code into a "
-        f"@devgraph.graph_break op, or use a mode that does not compile (--device-graph-mode "
-        f"'{phase}=breakable', or drop the 'compiler' option)"
-    )
+# Advice per cause: text with {phase} and {max_size} filled in, or a function of (phase, max_size, backend).
+_WARM_UP = (
+    "a library created a handle or workspace inside the capture: warm the forward up on the capture "
+    "stream first (warmup_iters >= 1, or the flag's warmup_iters), so it happens before capture"
+)
+_OOM = (
+    "capture fewer or smaller sizes (max_size is {max_size}: pass a lower max_size or an explicit "
+    "sizes list), leave more device memory free (a smaller KV cache), or disable graphs for this phase "
+    "with --device-graph-mode '{phase}=disabled'"
+)
+_ALIASING = (
+    "a @devgraph.graph_break op returned a view of one of its inputs; break ops must return new "
+    "tensors (return out.clone() or build the result with a new tensor). Changing sizes or modes "
+    "does not help"
+)
+_DYNAMO = (
+    "torch.compile could not trace the forward as one graph: move the untraceable code into a "
+    "@devgraph.graph_break op, or use a mode that does not compile (--device-graph-mode "
+    "'{phase}=breakable', or drop the 'compiler' option)"
+)
+_RECOMPILE = (
+    "keep every input in the runner's static buffers (same dtype, device and rank each step) and keep "
+    "Python values the forward branches on fixed; run with TORCH_LOGS=recompiles to see the guard"
+)
 
 
 def _host_sync(phase: str, max_size: int, backend: str) -> str:
@@ -100,13 +95,6 @@ def _host_sync(phase: str, max_size: int, backend: str) -> str:
         " (already under breakable: the op itself must be the break op)"
         if backend == "breakable"
         else f" and use --device-graph-mode '{phase}=breakable' so it runs eagerly between graph segments"
-    )
-
-
-def _recompile(phase: str, max_size: int, backend: str) -> str:
-    return (
-        "keep every input in the runner's static buffers (same dtype, device and rank each step) and keep "
-        "Python values the forward branches on fixed; run with TORCH_LOGS=recompiles to see the guard"
     )
 
 
@@ -124,12 +112,14 @@ def _other_modes(phase: str, backend: str) -> str:
     return " or ".join(f"--device-graph-mode '{phase}={m}'" for m in options)
 
 
-_TABLE: tuple[tuple[str, Callable[[BaseException], bool], Callable[[str, int, str], str]], ...] = (
-    ("out_of_memory", _is_oom, _oom),
-    ("no_warm_up", _is_lazy_handle, _warm_up),
-    ("break_op_returns_view", _is_aliasing_break, _aliasing),
-    ("recompile", lambda exc: isinstance(exc, RecompileError), _recompile),
-    ("torch_compile", _is_dynamo, _dynamo),
+Advice = str | Callable[[str, int, str], str]
+
+_TABLE: tuple[tuple[str, Callable[[BaseException], bool], Advice], ...] = (
+    ("out_of_memory", _is_oom, _OOM),
+    ("no_warm_up", _is_lazy_handle, _WARM_UP),
+    ("break_op_returns_view", _is_aliasing_break, _ALIASING),
+    ("recompile", lambda exc: isinstance(exc, RecompileError), _RECOMPILE),
+    ("torch_compile", _is_dynamo, _DYNAMO),
     ("host_sync", _is_host_sync, _host_sync),
 )
 
@@ -142,6 +132,8 @@ def diagnose(exc: BaseException, *, phase: str, max_size: int, backend: str = ""
         seen.add(id(current))
         for name, matches, advice in _TABLE:
             if matches(current):
+                if isinstance(advice, str):
+                    return Cause(name, advice.format(phase=phase, max_size=max_size))
                 return Cause(name, advice(phase, max_size, backend))
         current = current.__cause__ or current.__context__
     return Cause("unknown", _generic(phase, max_size, backend))
