@@ -26,12 +26,11 @@ from devgraph.flag.config import DeviceGraphConfig, PhaseConfig
 from devgraph.flag.factory import ResolvedPhase, create_backend, resolve_phase, resolve_platform
 from devgraph.flag.values import check_field
 from devgraph.messages import shorten
-from devgraph.runner.capture.lazy import LazyPolicy
 from devgraph.runner.outputs.layout import check_output_axes
 from devgraph.runner.schedule import AxisSizes, KeySchedule, schedule_for
 from devgraph.runner.state import DeclaredState, as_state
 
-__all__ = ["FLAG_KEYS", "CapturePlan", "RunnerPlan", "flag_over_arguments", "plan_runner"]
+__all__ = ["FLAG_KEYS", "CapturePlan", "LazyPolicy", "RunnerPlan", "flag_over_arguments", "plan_runner"]
 
 #: The runner's arguments that are also keys of a phase in ``--device-graph-mode``.
 FLAG_KEYS: tuple[str, ...] = (
@@ -43,6 +42,20 @@ FLAG_KEYS: tuple[str, ...] = (
     "max_graphs",
     "max_graph_bytes",
 )
+
+
+@dataclass(frozen=True)
+class LazyPolicy:
+    """Bounds of a lazily capturing runner (``None``: unbounded)."""
+
+    max_graphs: int | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_graphs", 1), ("max_bytes", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ConfigError(f"{name} must be an int >= {low} or None, got {shorten(value)}")
 
 
 @dataclass(frozen=True)

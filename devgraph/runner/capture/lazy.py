@@ -10,28 +10,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from devgraph.contract.keys import GraphKey
-from devgraph.errors import ConfigError
-from devgraph.messages import shorten
+from devgraph.runner.plan import LazyPolicy
 
-__all__ = ["LazyGraphs", "LazyPolicy", "LruKeys"]
-
-
-@dataclass(frozen=True)
-class LazyPolicy:
-    """Bounds of a lazily capturing runner (``None``: unbounded)."""
-
-    max_graphs: int | None = None
-    max_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        for name, low in (("max_graphs", 1), ("max_bytes", 0)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ConfigError(f"{name} must be an int >= {low} or None, got {shorten(value)}")
+__all__ = ["LazyGraphs", "LruKeys"]
 
 
 class LruKeys:
