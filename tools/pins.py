@@ -106,10 +106,15 @@ def select() -> Path:
     )
     print(
         f"tools/pins.py: keeping the torch {installed} installed here (pinned: {pinned.get('torch')}); "
-        f"its own requirements are not pinned ({copy.relative_to(ROOT)})",
+        f"its own requirements are not pinned ({_shown(copy)})",
         file=sys.stderr,
     )
     return copy
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it (what the Makefile passes to pip)."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def _line_name(line: str) -> str | None:
@@ -177,7 +182,10 @@ def _installed(python: str, torch: str) -> dict[str, str]:
 
 def _top_level_requirements(installed_python: str) -> list[str]:
     """What ``-e .[EXTRAS]`` asks for, with torch replaced by what the installed torch build requires."""
-    import tomllib  # the generating Python is CI's (3.11); tomllib is standard there
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pip vendors a TOML reader
+        from pip._vendor import tomli as tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = list(project["dependencies"])
@@ -303,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--output", type=Path, default=CONSTRAINTS)
     args = parser.parse_args(argv)
     if args.command == "select":
-        print(select().relative_to(ROOT))
+        print(_shown(select()))
     elif args.command == "version":
         print(pinned_version(args.name))
     else:
