@@ -18,7 +18,8 @@ LINTED := devgraph backends tests benchmarks tools
 
 # Installs torch only when none is importable (a GPU machine keeps its own CUDA build).
 torch:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q -c $(CONSTRAINTS) torch
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "installing torch (pinned in $(CONSTRAINTS))"; \
+	  $(PIP) install -q -c $(CONSTRAINTS) torch; }
 	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PIP) install -q -c $(CONSTRAINTS) setuptools
 
 setup: torch

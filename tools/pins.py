@@ -10,8 +10,9 @@ what that torch requires, so pip keeps the build the machine came with instead o
 
 ``generate`` installs the newest releases pyproject.toml allows (and the pinned torch) into a fresh virtual
 environment of this Python, freezes it, resolves the same requirements for the other supported Pythons it
-finds on PATH (``--dry-run``, nothing downloaded but metadata), and writes one pin per distribution, with a
-``python_version`` marker where the Pythons need different releases (numpy dropped 3.10, for instance).
+finds (on PATH or installed by pyenv; ``--dry-run``, nothing downloaded but metadata), and writes one pin per
+distribution, with a ``python_version`` marker where the Pythons need different releases (numpy dropped
+3.10, for instance).
 
 Standard library only: it runs before anything is installed.
 """
