@@ -21,6 +21,8 @@ torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "installing torch (pinned in $(CONSTRAINTS))"; \
 	  $(PIP) install -q -c $(CONSTRAINTS) torch; }
 	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PIP) install -q -c $(CONSTRAINTS) setuptools
+	@# torch warns "Failed to initialize NumPy" at every import without numpy; devgraph does not use it.
+	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PIP) install -q -c $(CONSTRAINTS) numpy
 
 setup: torch
 	$(INSTALL) -e . $(PLUGINS)
