@@ -19,8 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from bench_common import Device, Report, Target, environment, host_us, output_path, targets_table
-from bench_decode import GPU, SMOKE, break_cost
+from decode_bench.host import break_cost
+from decode_bench.plan import GPU, SMOKE
+from harness.device import Device, host_us
+from harness.report import Report, environment, output_path
+from harness.targets import Target, targets_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,7 +36,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from kernels_timing import Timer, copy_bandwidth, host_time, rel_l2
 
 from devgraph.reference.kernels import attention_backend, torch_ref
 
@@ -68,76 +68,6 @@ def _smoke_settings() -> None:
     DECODE_CASES = [(1, 48), (2, 64)]
     PREFILL_CASES = {"1x32": [32], "2x16": [16, 16]}
     VERIFY = (2, 4, 40)
-
-
-# -- timing ------------------------------------------------------------------------------------------
-class Timer:
-    """Median GPU time of a callable, L2 evicted before each run (see the module docstring)."""
-
-    def __init__(self, iters: int) -> None:
-        self.iters = iters
-        self.flush = torch.ones(256 * 2**20 if DEVICE == "cuda" else 1, dtype=torch.uint8, device=DEVICE)
-
-    def __call__(self, fn: Callable[[], Any], iters: int | None = None, *, cold: bool = True) -> float:
-        """``cold``: evict L2 before each run (reading, not writing, so no dirty lines are left)."""
-        iters = iters or self.iters
-        for _ in range(3):
-            fn()
-        if DEVICE != "cuda":  # --smoke: wall clock
-            times = []
-            for _ in range(iters):
-                start = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - start)
-            return statistics.median(times) * 1e6
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for start, end in zip(starts, ends, strict=True):
-            if cold:
-                self.flush.max()
-            torch.cuda._sleep(500_000)  # ~0.3 ms of GPU cycles: the host enqueues the rest meanwhile
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return (
-            statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) * 1e3
-        )  # microseconds
-
-
-def host_time(fn: Callable[[], Any], calls: int = 50) -> float:
-    """Median host wall time of one call in microseconds (the GPU runs behind; no synchronisation)."""
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + write counted)."""
-    if DEVICE != "cuda":
-        return 1e10  # --smoke: any number
-    src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times)
-
-
-def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-6))
 
 
 # -- inputs ------------------------------------------------------------------------------------------
@@ -196,7 +126,7 @@ def decode_case(
     out = triton.paged_decode_attention(*args)
     sdpa_out = _sdpa(q_sdpa, keys, values, False)[:, :, 0]
     moved = 2 * batch * context * KV_HEADS * HEAD_DIM * ELEM + 2 * q.numel() * ELEM + tables.numel() * 4
-    host = host_time(lambda: triton.paged_decode_attention(*args))
+    host = host_time(lambda: triton.paged_decode_attention(*args), DEVICE)
     us = {
         "triton": timer(lambda: triton.paged_decode_attention(*args)),
         "triton_warm_l2": timer(lambda: triton.paged_decode_attention(*args), cold=False),
@@ -225,7 +155,7 @@ def prefill_case(
     args = (q, k_cache, v_cache, tables, cu, seq_lens, SCALE)
     ref = torch_ref.paged_prefill_attention(*args)
     out = triton.paged_prefill_attention(*args)
-    host = host_time(lambda: triton.paged_prefill_attention(*args))
+    host = host_time(lambda: triton.paged_prefill_attention(*args), DEVICE)
     us = {
         "triton": timer(lambda: triton.paged_prefill_attention(*args)),
         "triton_warm_l2": timer(lambda: triton.paged_prefill_attention(*args), cold=False),
@@ -357,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    timer = Timer(args.iters)
-    bandwidth = copy_bandwidth()
+    timer = Timer(args.iters, DEVICE)
+    bandwidth = copy_bandwidth(DEVICE)
     scalar = torch.zeros(1, device=DEVICE)
     empty_us = timer(lambda: scalar.add_(1))  # the smallest kernel: the timing's own floor
     cases = [decode_case(b, c, timer, gen, bandwidth) for b, c in DECODE_CASES]

@@ -28,7 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import Device, KVPlan, Report, Target, diff, environment, output_path, targets_table
+from harness.cases import KVPlan
+from harness.children import child_env
+from harness.device import Device, start
+from harness.report import Report, diff, environment, output_path
+from harness.targets import Target, targets_table
 
 from devgraph.reference import ReferenceConfig, ReferenceModel, decode_runner
 
@@ -101,13 +105,7 @@ def parent(args: argparse.Namespace) -> int:
         cache_dir = root / "artifacts"
         runs: dict[str, dict[str, Any]] = {}
         for label in ("cold", "warm"):
-            env = dict(os.environ)
-            env.update(
-                TORCHINDUCTOR_CACHE_DIR=str(root / label / "inductor"),
-                TRITON_CACHE_DIR=str(root / label / "triton"),
-                PYTHONUNBUFFERED="1",
-            )
-            env.pop("OUT", None)
+            env = child_env(root, label)
             out, logits = root / f"{label}.json", root / f"{label}.pt"
             command = [
                 sys.executable,
@@ -182,10 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--logits", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.compiler = args.compiler or ("eager" if args.smoke else "inductor")
-    if not args.smoke and not torch.cuda.is_available():
-        print("no CUDA GPU here; use --smoke to check the script on the CPU", file=sys.stderr)
+    if not start(args.smoke):
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.child:
         with torch.no_grad():
             result = child(args)

@@ -31,8 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from devgraph.serve.loadgen import make_trace, run_load
-from devgraph.serve.report import plot_modes, summary_table
+from devgraph.serve.bench.loadgen import make_trace, run_load
+from devgraph.serve.bench.report import plot_modes, summary_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -131,7 +131,7 @@ class HandGraphs:
             self.graphs[size] = graph
 
     def _capture_sim(self) -> None:
-        from devgraph.sim.platform import CpuSimPlatform
+        from devgraph.platforms.sim.platform import CpuSimPlatform
 
         sim = CpuSimPlatform()
         pool = sim.graph_pool_handle()
@@ -301,7 +301,7 @@ def plot(results: Mapping[str, Any], path: str) -> None:
     """Latency per batch for each variant, one panel per preset (log scale: eager is 10x the graphs)."""
     from pathlib import Path
 
-    from bench_common import Panel, plot_panels
+    from harness.plots import Panel, plot_panels
 
     panels = []
     for name, preset in results.get("presets", {}).items():

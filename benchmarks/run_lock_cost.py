@@ -1,8 +1,8 @@
 """What the lock around ``GraphRunner.run()`` costs when one thread uses the runner (the common case).
 
-Measures, in one process: the host time of ``run()`` with the runner's real lock and with a no-op lock
-swapped in (same runner, same inputs, rounds interleaved), and the raw cost of entering and leaving an
-uncontended ``threading.RLock`` (what the runner holds) and ``threading.Lock``.
+Measures, in one process: the host time of ``run()`` of a runner with its lock and of a twin built with
+``single_thread=True`` (no lock; same forward, sizes and inputs, rounds interleaved), and the raw cost of
+entering and leaving an uncontended ``threading.RLock`` (what the runner holds) and ``threading.Lock``.
 
     python benchmarks/run_lock_cost.py --out benchmarks/results/cpu-run-lock.json          # CPU simulator
     python benchmarks/run_lock_cost.py --device cuda --out $OUT/cuda-run-lock.json         # a GPU
@@ -39,8 +39,10 @@ class NoLock:
         return None
 
 
-def build_runner(device: str, mode: str, hidden: int) -> tuple[GraphRunner, torch.Tensor]:
-    weight = torch.randn(hidden, hidden, device=device) / hidden**0.5
+def build_runner(
+    device: str, mode: str, hidden: int, single_thread: bool = False
+) -> tuple[GraphRunner, torch.Tensor]:
+    weight = torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0)).to(device) / hidden**0.5
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x @ weight) + x
@@ -53,9 +55,11 @@ def build_runner(device: str, mode: str, hidden: int) -> tuple[GraphRunner, torc
         mode=mode,
         sizes=[1, 2, 4, 8],
         progress=False,
+        single_thread=single_thread,
     )
     runner.capture()
-    return runner, torch.randn(3, hidden, device=device)  # 3 rows: a padded step (bucket 4)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    return runner, x  # 3 rows: a padded step (bucket 4)
 
 
 def time_runs(runner: GraphRunner, x: torch.Tensor, iters: int, sync: Any) -> float:
@@ -85,24 +89,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     runner, x = build_runner(args.device, args.mode, args.hidden)
+    lone, _ = build_runner(args.device, args.mode, args.hidden, single_thread=True)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    real_lock = runner._lock
-    for _ in range(200):  # warm up both paths
+    for _ in range(200):  # warm up both
         runner.run(x=x)
+        lone.run(x=x)
     with_lock: list[float] = []
     without_lock: list[float] = []
     for _ in range(args.rounds):
-        runner._lock = real_lock
         with_lock.append(time_runs(runner, x, args.iters, sync))
-        runner._lock = NoLock()  # type: ignore[assignment]
-        without_lock.append(time_runs(runner, x, args.iters, sync))
-    runner._lock = real_lock
+        without_lock.append(time_runs(lone, x, args.iters, sync))
+    bucket = runner.bucket(int(x.shape[0]))
     runner.close()
+    lone.close()
 
     locked_us = statistics.median(with_lock) * 1e6
     unlocked_us = statistics.median(without_lock) * 1e6
     result = {
-        "what": "GraphRunner.run() host time with its lock vs a no-op lock, one thread (uncontended)",
+        "what": "GraphRunner.run() host time with its lock vs a single_thread=True twin, one thread",
         "command": " ".join(["python", *map(shlex.quote, sys.argv)]),
         "device": torch.cuda.get_device_name()
         if args.device.startswith("cuda")
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "mode": args.mode,
-        "step": {"rows": int(x.shape[0]), "bucket": runner.bucket(int(x.shape[0])), "hidden": args.hidden},
+        "step": {"rows": int(x.shape[0]), "bucket": bucket, "hidden": args.hidden},
         "iters_per_round": args.iters,
         "rounds": args.rounds,
         "run_us_with_lock_median": round(locked_us, 3),

@@ -5,12 +5,14 @@ every step; ``--device-graph-mode`` (see :func:`add_device_graph_args`) picks th
 """
 
 from devgraph._version import __version__
-from devgraph.backend import BackendOptions, Batch, DeviceGraphBackend
-from devgraph.breaks import BreakOp, graph_break
-from devgraph.capture import CaptureReport, KeyReport
-from devgraph.config import DeviceGraphConfig, PhaseConfig, add_device_graph_args
-from devgraph.context import forward_context, get_forward_context, is_capturing, is_replaying
-from devgraph.dispatch import EagerReason
+from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
+from devgraph.contract.breaks import BreakOp, graph_break
+from devgraph.contract.context import forward_context, get_forward_context, is_capturing, is_replaying
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
+from devgraph.contract.modes import Compiler, SpecialMode, Strategy
+from devgraph.contract.phases import PHASES, Phase
+from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import (
     BackendUnavailableError,
     CaptureError,
@@ -21,20 +23,18 @@ from devgraph.errors import (
     RegistrationError,
     ReplayError,
 )
-from devgraph.factory import best_platform, create_backend, resolve_platform
-from devgraph.hookspecs import hookimpl
-from devgraph.inputs import StaticInput
-from devgraph.keys import REQUESTS, TOKENS, GraphKey
-from devgraph.modes import Compiler, SpecialMode, Strategy
-from devgraph.phases import PHASES, Phase
-from devgraph.platform import Availability, DeviceGraph, GraphPlatform
-from devgraph.plugins import get_registry
-from devgraph.register import register_backend
-from devgraph.rules import CompatibilityRule
-from devgraph.runner import GraphRunner
-from devgraph.sizes import DEFAULT_DECODE_SIZES, DEFAULT_PREFILL_SIZES, SizeSchedule, resolve_sizes
-from devgraph.state import StateHooks
-from devgraph.verify import VerifyResult
+from devgraph.flag.config import DeviceGraphConfig, PhaseConfig, add_device_graph_args
+from devgraph.flag.factory import best_platform, create_backend, resolve_platform
+from devgraph.flag.sizes import DEFAULT_DECODE_SIZES, DEFAULT_PREFILL_SIZES, SizeSchedule, resolve_sizes
+from devgraph.registry.hookspecs import hookimpl
+from devgraph.registry.plugins import get_registry
+from devgraph.registry.register import register_backend
+from devgraph.registry.rules import CompatibilityRule
+from devgraph.runner.capture.loop import CaptureReport, KeyReport
+from devgraph.runner.dispatch import EagerReason
+from devgraph.runner.graph_runner import GraphRunner
+from devgraph.runner.state import StateHooks
+from devgraph.runner.verify import VerifyResult
 
 __all__ = [
     "Availability",

@@ -1,3 +1,3 @@
-from devgraph.cli import main
+from devgraph.cli.main import main
 
 raise SystemExit(main())

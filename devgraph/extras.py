@@ -11,7 +11,7 @@ import importlib
 from types import ModuleType
 
 from devgraph.errors import BackendUnavailableError
-from devgraph.modes import shorten
+from devgraph.messages import shorten
 
 __all__ = ["install_hint", "missing_extra", "require_extra"]
 

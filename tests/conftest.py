@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from devgraph import graph_break
-from devgraph.plugins import get_registry
 from devgraph.reference import ReferenceConfig, ReferenceModel
+from devgraph.registry.plugins import get_registry
 
 
 def _cuda_reason() -> str | None:

@@ -1,5 +1,5 @@
 """Shared pieces of the vendor fakes (``fakes_npu``, ``fakes_rocm``): streams, pool handles and a graph
-object whose capture records through the CPU simulator (:mod:`devgraph.sim.graph`).
+object whose capture records through the CPU simulator (:mod:`devgraph.platforms.sim.graph`).
 
 The fakes stand in for a vendor's Python API (``torch_npu``, ``torch.cuda`` on a ROCm build), not for
 devgraph: the plug-ins under test run unchanged against them. What they model is the contract of the
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from devgraph.plugins import Registry
-from devgraph.sim import graph as sim
+from devgraph.platforms.sim import graph as sim
+from devgraph.registry.plugins import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -41,7 +41,7 @@ import torch
 from fakes_common import Pools, SimBackedGraph, Streams, ensure_plugins_importable, push_raw, remove_raw
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from devgraph.sim import graph as sim
+from devgraph.platforms.sim import graph as sim
 
 __all__ = ["FakeTorchNpu", "install", "npu_fused_infer_attention_score", "STREAM_EXHAUSTION_TEXT"]
 

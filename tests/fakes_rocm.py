@@ -32,7 +32,7 @@ import torch
 from fakes_common import FakeStream, Pools, SimBackedGraph, Streams, ensure_plugins_importable, pop_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from devgraph.sim import graph as sim
+from devgraph.platforms.sim import graph as sim
 
 __all__ = ["FakeHip", "install", "HIPBLASLT_CAPTURE_TEXT"]
 
@@ -135,7 +135,7 @@ def install(monkeypatch: Any) -> Iterator[FakeHip]:
     ensure_plugins_importable()
     from devgraph_rocm.platform import RocmPlatform
 
-    from devgraph import torch_cuda_api
+    from devgraph.platforms import torch_cuda
 
     fake = FakeHip()
     monkeypatch.setattr(torch.version, "hip", HIP_VERSION)
@@ -144,7 +144,7 @@ def install(monkeypatch: Any) -> Iterator[FakeHip]:
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(RocmPlatform, "default_device", lambda self: torch.device("cpu"))
     # The process-wide capture stream cache must not hand a fake stream to real CUDA code afterwards.
-    monkeypatch.setattr(torch_cuda_api, "_CAPTURE_STREAMS", {}, raising=False)
+    monkeypatch.setattr(torch_cuda, "_CAPTURE_STREAMS", {}, raising=False)
     # torch.compile'd pieces (tc_piecewise) run code the simulator cannot judge op by op: dynamo lifts
     # Python floats into CPU scalar tensors and reads them with .item(), harmless on a GPU (host memory)
     # but a "device sync" to a simulator whose every tensor is a device tensor. The CPU platform records

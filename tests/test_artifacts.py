@@ -76,7 +76,7 @@ SCRIPT = textwrap.dedent(
     torch.compile(lambda t: t + 1, backend="eager")(torch.ones(1))
     cache_dir, steps = sys.argv[1], json.loads(sys.argv[2])
     keep = Keep()
-    logging.getLogger("devgraph.compile").addHandler(keep)
+    logging.getLogger("devgraph.strategies").addHandler(keep)
     results = []
     for step in steps:
         if step.get("damage"):

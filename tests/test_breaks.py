@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from devgraph import BreakOp, ConfigError, graph_break
-from devgraph.breaks import break_handler, is_break_target
+from devgraph.contract.breaks import break_handler, is_break_target
 
 
 @graph_break

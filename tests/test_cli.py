@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from devgraph import __version__
-from devgraph._info import collect_info
-from devgraph.cli import build_parser, check_demo_args, main
+from devgraph.cli.info import collect_info
+from devgraph.cli.main import build_parser, check_demo_args, main
 from devgraph.errors import DevGraphError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +103,7 @@ def test_demo_prints_tables_with_zero_difference(capsys, tmp_path):
 def test_demo_on_a_device_labels_its_timings_and_fails_on_a_mismatch(capsys):
     """What a GPU run prints (rows with times), checked without a GPU: the timing columns and their
     legend; a row whose graph disagrees with eager makes the demo fail."""
-    from devgraph._demo import DemoRow, _conclude, _print_table
+    from devgraph.cli.demo import DemoRow, _conclude, _print_table
 
     timed = DemoRow("decode", "3 req", "tokens=4", 0.0, 0.0, True, eager_ms=2.0, graph_ms=0.5)
     _print_table("decode (full): median over 20 runs", [timed])
@@ -151,7 +151,7 @@ def no_run(monkeypatch):
     def run_demo(args):
         raise AssertionError("the demo ran although an argument was bad")
 
-    monkeypatch.setattr("devgraph._demo.run_demo", run_demo)
+    monkeypatch.setattr("devgraph.cli.demo.run_demo", run_demo)
 
 
 def _usage_error(capsys, argv: list[str]) -> str:
@@ -260,7 +260,7 @@ def no_engine(monkeypatch):
     def build_engine(args):
         raise AssertionError("the server started building although it could not serve")
 
-    monkeypatch.setattr("devgraph.serve.server.build_engine", build_engine)
+    monkeypatch.setattr("devgraph.serve.api.server.build_engine", build_engine)
 
 
 @pytest.mark.parametrize(
@@ -297,7 +297,7 @@ def test_serve_without_aiohttp_is_one_line_for_a_real_user():
 
 def test_the_metrics_extra_hint_names_the_serve_extra(monkeypatch):
     from devgraph.errors import BackendUnavailableError
-    from devgraph.serve.metrics import ServeMetrics
+    from devgraph.serve.api.metrics import ServeMetrics
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(BackendUnavailableError, match=r"not installed: pip install 'devgraph\[serve\]'$"):
@@ -309,7 +309,7 @@ def test_serve_on_an_unusable_cuda_says_why_like_the_demo(capsys, no_run, regist
     if registry.platform("cuda").availability():
         pytest.skip("CUDA is usable here")
     demo_line = _usage_error(capsys, ["--device", "cuda"])
-    monkeypatch.setattr("devgraph.serve.server.ReferenceModel", None)  # nothing may be built
+    monkeypatch.setattr("devgraph.serve.api.server.ReferenceModel", None)  # nothing may be built
     assert main(["serve", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "AssertionError" not in err[0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from devgraph import GraphRunner, RecompileError, StaticInput
-from devgraph.backend import BackendOptions
+from devgraph.contract.backend import BackendOptions
 from devgraph.strategies import TcPiecewiseBackend
 
 INPUTS = {"x": StaticInput(torch.float32, (3,), fill=0.0)}
@@ -90,7 +90,7 @@ def test_on_recompile_raise_from_backend_options_and_eager_steps_never_compile()
 def test_on_recompile_warn_counts_and_logs(caplog):
     runner = make()
     runner.capture()
-    with caplog.at_level(logging.WARNING, logger="devgraph.compile"):
+    with caplog.at_level(logging.WARNING, logger="devgraph.strategies"):
         runner.backend.wrap_forward(forward)(x=torch.ones(2, 3, dtype=torch.float64))
     assert runner.inspect()["recompiles"] == 1
     assert any("recompiled after capture" in r.getMessage() for r in caplog.records)

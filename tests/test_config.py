@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from devgraph import ConfigError, DeviceGraphConfig, PhaseConfig, add_device_graph_args
-from devgraph.config import MAX_FLAG_CHARS
-from devgraph.plugins import Registry
+from devgraph.flag.config import MAX_FLAG_CHARS
+from devgraph.registry.plugins import Registry
 from devgraph.strategies import FullGraphBackend
 
-CONFIG_PY = Path(__file__).resolve().parents[1] / "devgraph" / "config.py"
+CONFIG_PY = Path(__file__).resolve().parents[1] / "devgraph" / "flag" / "config.py"
 
 
 def _error(value, **kwargs) -> str:
@@ -247,13 +247,13 @@ def test_config_imports_neither_factory_nor_plugins():
             imported.update(f"{node.module}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
-    assert not {"devgraph.factory", "devgraph.plugins", "devgraph.rules"} & imported
+    assert not {"devgraph.flag.factory", "devgraph.registry.plugins", "devgraph.registry.rules"} & imported
     assert not hasattr(DeviceGraphConfig, "resolve")
 
 
 def test_parse_checks_mode_names_against_the_registry(monkeypatch):
     registry = Registry(entry_points=False)
-    monkeypatch.setattr("devgraph.plugins._registry", registry)
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
     assert "mode 'toy_plugin' is not valid" in _error("decode=toy_plugin")
 
     class ToyPlugin(FullGraphBackend):

@@ -17,7 +17,7 @@ import pytest
 from fakes_common import ensure_plugins_importable, plugin_registry
 
 from devgraph.errors import BackendUnavailableError, ConfigError
-from devgraph.sim.platform import CpuSimPlatform
+from devgraph.platforms.sim.platform import CpuSimPlatform
 from devgraph.strategies import FullGraphBackend
 from devgraph.testing import (
     CHECKS,

@@ -28,7 +28,7 @@ from conftest import chained_breaks
 
 import devgraph
 from devgraph import CaptureError, GraphKey, GraphRunner, StaticInput, graph_break
-from devgraph.keys import REQUESTS
+from devgraph.contract.keys import REQUESTS
 from devgraph.reference import (
     ReferenceConfig,
     ReferenceModel,

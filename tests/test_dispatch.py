@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from devgraph import ConfigError, GraphRunner, InputError, StaticInput, is_capturing
-from devgraph.dispatch import Decision, Dispatcher, EagerReason
-from devgraph.keys import GraphKey
-from devgraph.schedule import KeySchedule
+from devgraph.contract.keys import GraphKey
+from devgraph.runner.dispatch import Decision, Dispatcher, EagerReason
+from devgraph.runner.schedule import KeySchedule
 
 TOKEN_SIZES = (4, 8, 16)
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from devgraph.context import capture_flag, forward_context
+from devgraph.contract.context import capture_flag, forward_context
 from devgraph.errors import CaptureError, ConfigError
 from devgraph.reference.encoder import (
     EncoderContext,
@@ -22,7 +22,7 @@ from devgraph.reference.encoder import (
     image_positions,
     make_image_batch,
 )
-from devgraph.runner import GraphRunner
+from devgraph.runner.graph_runner import GraphRunner
 
 Grids = Sequence[tuple[int, int]]
 

@@ -13,7 +13,7 @@ import torch
 
 from devgraph.errors import ConfigError, InputError
 from devgraph.reference import ReferenceConfig, ReferenceModel
-from devgraph.reference.engine import (
+from devgraph.serve.engine import (
     BlockAllocator,
     BlockTables,
     Engine,
@@ -26,7 +26,7 @@ from devgraph.reference.engine import (
     SamplingParams,
     Status,
 )
-from devgraph.reference.engine.request import Request
+from devgraph.serve.engine.request import Request
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from devgraph import BackendOptions, BackendUnavailableError, ConfigError, DeviceGraphConfig, create_backend
-from devgraph.factory import ResolvedPhase, best_platform, resolve_phase, resolve_platform
-from devgraph.plugins import Registry
-from devgraph.rules import CompatibilityRule
-from devgraph.sim.platform import CpuSimPlatform
+from devgraph.flag.factory import ResolvedPhase, best_platform, resolve_phase, resolve_platform
+from devgraph.platforms.sim.platform import CpuSimPlatform
+from devgraph.registry.plugins import Registry
+from devgraph.registry.rules import CompatibilityRule
 from devgraph.strategies import BreakableBackend, EagerBackend, FullGraphBackend, TcPiecewiseBackend
 
 
@@ -120,7 +120,7 @@ def test_npu_without_torch_npu_gives_the_install_hint(registry):
 
 
 def _info_platforms(registry):
-    from devgraph._info import collect_info
+    from devgraph.cli.info import collect_info
 
     return collect_info(registry)["platforms"]
 

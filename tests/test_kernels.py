@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from devgraph.errors import BackendUnavailableError, ConfigError, InputError
+from devgraph.platforms.sim.graph import SimGraph, begin_capture, end_capture
 from devgraph.reference.kernels import (
     AttentionKernels,
     attention_backend,
@@ -34,7 +35,6 @@ from devgraph.reference.kernels import (
     backends,
     torch_ref,
 )
-from devgraph.sim.graph import SimGraph, begin_capture, end_capture
 
 PAGE = 16
 HAS_TRITON = importlib.util.find_spec("triton") is not None

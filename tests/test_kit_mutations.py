@@ -20,10 +20,9 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.backend import Batch
-from devgraph.context import capture_flag, forward_context, get_forward_context
-from devgraph.keys import GraphKey
-from devgraph.plugins import Registry
+from devgraph.contract.context import capture_flag, forward_context, get_forward_context
+from devgraph.contract.keys import Batch, GraphKey
+from devgraph.registry.plugins import Registry
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 from devgraph.strategies.plan import BreakCall
 from devgraph.testing import check_names, run_check, run_conformance

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from devgraph.cli import main
-from devgraph.serve.protocol import ModelCard, model_list, parse_model_card
+from devgraph.cli.main import main
+from devgraph.serve.api.protocol import ModelCard, model_list, parse_model_card
 
 pytest.importorskip("aiohttp", reason="devgraph bench serve needs aiohttp (pip install 'devgraph[serve]')")
 

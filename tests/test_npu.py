@@ -21,7 +21,7 @@ from fakes_common import ROOT, ensure_plugins_importable, plugin_registry
 
 import devgraph
 from devgraph import CaptureError, ConfigError, GraphKey, GraphRunner, StaticInput
-from devgraph._info import collect_info
+from devgraph.cli.info import collect_info
 from devgraph.errors import BackendUnavailableError, DevGraphError
 
 ensure_plugins_importable()

@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from devgraph import CaptureError, ConfigError, GraphRunner, InputError, StaticInput
-from devgraph._trees import tensor_leaves
+from devgraph.runner.outputs.trees import tensor_leaves
 from devgraph.strategies import FullGraphBackend
 
 SIZES = [1, 2, 4]
@@ -279,7 +279,7 @@ def test_verify_compares_plain_leaves_too():
 
 
 def test_verify_structure_mismatch_is_not_ok():
-    from devgraph.verify import compare
+    from devgraph.runner.verify import compare
 
     a = {"x": torch.ones(2)}
     result = compare(2, None, a, a, {"y": torch.ones(2)}, None)

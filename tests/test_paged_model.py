@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from devgraph.breaks import is_break_target
-from devgraph.context import forward_context
-from devgraph.inputs import EDGE
+from devgraph.contract.breaks import is_break_target
+from devgraph.contract.context import forward_context
+from devgraph.contract.inputs import EDGE
 from devgraph.reference import (
     ATTENTION_OP_NAME,
     PagedMetadata,

@@ -14,17 +14,25 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from conftest import write_distribution
 
 import devgraph
-from devgraph import DeviceGraphConfig, RegistrationError, create_backend, register_backend
-from devgraph._info import collect_info
-from devgraph.factory import best_platform, resolve_phase, resolve_platform
-from devgraph.platform import GraphPlatform
-from devgraph.plugins import Registry, get_registry
-from devgraph.rules import CompatibilityRule
-from devgraph.sim.platform import CpuSimPlatform
-from devgraph.strategies import FullGraphBackend
+from devgraph import (
+    DeviceGraphConfig,
+    GraphRunner,
+    RegistrationError,
+    StaticInput,
+    create_backend,
+    register_backend,
+)
+from devgraph.cli.info import collect_info
+from devgraph.contract.platform import GraphPlatform
+from devgraph.flag.factory import best_platform, resolve_phase, resolve_platform
+from devgraph.platforms.sim.platform import CpuSimPlatform
+from devgraph.registry.plugins import Registry, get_registry
+from devgraph.registry.rules import CompatibilityRule
+from devgraph.strategies import BreakableBackend, FullGraphBackend
 
 TOY_PLUGIN = """
 import devgraph
@@ -206,7 +214,7 @@ def test_duplicate_from_plugin_names_both_origins():
 
 def test_register_backend_as_call_and_decorator(monkeypatch):
     registry = Registry(entry_points=False).load()
-    monkeypatch.setattr("devgraph.plugins._registry", registry)
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
 
     class CallStyle(FullGraphBackend):
         pass
@@ -222,6 +230,41 @@ def test_register_backend_as_call_and_decorator(monkeypatch):
     with pytest.raises(RegistrationError) as info:
         register_backend(CallStyle, name="deco_style", platform="cpu")
     assert "register_backend() in" in str(info.value) and "twice" in str(info.value)
+
+
+def test_a_plugin_strategy_says_whether_it_compiles_and_the_flag_follows(monkeypatch):
+    registry = Registry(entry_points=False).load()
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
+
+    class FusedFull(FullGraphBackend):  # a vendor's own compiling strategy, under its own name
+        accepts_compiler = True
+
+    class PlainSegments(BreakableBackend):  # a strategy that never compiles
+        pass
+
+    registry.add_backend(FusedFull, name="fused_full", platform="cpu", origin="test")
+    registry.add_backend(PlainSegments, name="plain_segments", platform="cpu", origin="test")
+    assert "fused_full" in registry.compiling_names() and "plain_segments" not in registry.compiling_names()
+
+    flag = DeviceGraphConfig.parse('{"decode": {"backend": "fused_full", "compiler": "eager"}}')
+    runner = GraphRunner(
+        lambda x: x * 2,
+        phase="decode",
+        inputs={"x": StaticInput(torch.float32, (3,))},
+        sizes=[1, 2],
+        config=flag,
+    )
+    runner.capture()
+    torch.testing.assert_close(runner.run(x=torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    facts = runner.inspect()
+    assert isinstance(runner.backend, FusedFull) and facts["compiler"] == "eager" and facts["compiles"] >= 1
+    runner.close()
+    with pytest.raises(
+        devgraph.ConfigError, match="would be ignored: backend 'plain_segments' does not compile"
+    ):
+        DeviceGraphConfig.parse('{"decode": {"backend": "plain_segments", "compiler": "eager"}}')
+    with pytest.raises(devgraph.ConfigError, match="would be ignored"):
+        create_backend("cpu", "decode", "plain_segments", options={"compiler": "eager"})
 
 
 def test_bad_registrations():
@@ -474,7 +517,7 @@ def test_register_backend_called_while_the_registry_loads(monkeypatch):
         return plugin()
 
     registry = Registry(entry_points=lambda: [FakeEntryPoint("eager_import", load, "devgraph-ei")])
-    monkeypatch.setattr("devgraph.plugins._registry", registry)
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
     assert ("cpu", "import_time") in get_registry().backends
     assert record(registry, "eager_import").provides == ["backend cpu:import_time"]
 
@@ -511,7 +554,7 @@ def test_many_threads_asking_a_fresh_registry_at_once(monkeypatch):
         return [FakeEntryPoint("slow", slow_load, "devgraph-slow")]
 
     registry = Registry(entry_points=entry_points)
-    monkeypatch.setattr("devgraph.plugins._registry", registry)
+    monkeypatch.setattr("devgraph.registry.plugins._registry", registry)
     start = threading.Barrier(12)
     results: list[Any] = []
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devgraph.contract.keys import REQUESTS, TOKENS
 from devgraph.errors import ConfigError
-from devgraph.keys import REQUESTS, TOKENS
 from devgraph.reference import (
     ATTENTION_MODES,
     PRESET_NAMES,

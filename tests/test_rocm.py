@@ -11,9 +11,9 @@ import torch
 from fakes_common import ensure_plugins_importable, plugin_registry
 
 from devgraph import CaptureError, DeviceGraphConfig, GraphKey, GraphRunner, StaticInput, create_backend
-from devgraph._info import collect_info
+from devgraph.cli.info import collect_info
 from devgraph.errors import BackendUnavailableError
-from devgraph.factory import resolve_phase
+from devgraph.flag.factory import resolve_phase
 
 ensure_plugins_importable()
 
@@ -149,7 +149,7 @@ def test_warmup_runs_on_the_capture_stream(fake, registry):
     original = fake.gemm_on
 
     def spy(stream):
-        from devgraph.sim import graph as sim
+        from devgraph.platforms.sim import graph as sim
 
         gemms.append((stream.stream_id, sim.is_capturing()))
         original(stream)

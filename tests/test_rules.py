@@ -6,7 +6,7 @@ import pytest
 from fakes_common import ensure_plugins_importable
 
 from devgraph.errors import ConfigError, RegistrationError
-from devgraph.rules import BUILTIN_RULES, CompatibilityRule, apply_rules, check_rule
+from devgraph.registry.rules import BUILTIN_RULES, CompatibilityRule, apply_rules, check_rule
 
 ensure_plugins_importable()
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from devgraph.reference import ReferenceConfig, ReferenceModel
-from devgraph.reference.engine import Engine, EngineConfig, SamplingParams
-from devgraph.serve.protocol import ApiError, parse
-from devgraph.serve.report import percentile, summarize
-from devgraph.serve.tokenizer import ByteTokenizer, StreamDecoder
+from devgraph.serve.api.protocol import ApiError, parse
+from devgraph.serve.api.tokenizer import ByteTokenizer, StreamDecoder
+from devgraph.serve.bench.report import percentile, summarize
+from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
 
 aiohttp = pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
 
@@ -276,7 +276,7 @@ def test_unexpected_failures_and_a_missing_metrics_extra_are_json_too() -> None:
     answers 501 JSON with the install hint."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from devgraph.serve.app import ServerState, build_app
+    from devgraph.serve.api.app import ServerState, build_app
 
     async def broken(request: Any) -> Any:
         raise RuntimeError("a bug in a handler")
@@ -304,12 +304,12 @@ def test_start_up_logs_each_stage_when_stderr_is_not_a_terminal(server: Server) 
     # The server fixture's stderr is a pipe: no bar, one INFO line per stage and per captured graph.
     log = "".join(server.stderr)
     for line in (
-        "devgraph.serve INFO building the model: preset 'tiny'",
-        "devgraph.serve INFO model ready in",
-        "devgraph.serve INFO capturing graphs (--device-graph-mode auto)",
-        "devgraph.capture INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
-        "devgraph.capture INFO captured prefill graph 1/1",
-        "devgraph.serve INFO warm-up requests served in",
+        "devgraph.serve.api.server INFO building the model: preset 'tiny'",
+        "devgraph.serve.api.server INFO model ready in",
+        "devgraph.serve.api.server INFO capturing graphs (--device-graph-mode auto)",
+        "devgraph.runner.capture.loop INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
+        "devgraph.runner.capture.loop INFO captured prefill graph 1/1",
+        "devgraph.serve.api.server INFO warm-up requests served in",
     ):
         assert line in log, log[-3000:]
 
@@ -440,7 +440,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_zero(mixed_server: Server) -
 
 
 def test_load_generator_reports_percentiles_over_http(server: Server) -> None:
-    from devgraph.serve.loadgen import make_trace, run_load
+    from devgraph.serve.bench.loadgen import make_trace, run_load
 
     trace = make_trace(6, (2, 20), (2, 5), vocab=512, max_seq_len=256, seed=3)
     run = asyncio.run(run_load(server.url, trace, concurrency=3, progress=False))
@@ -452,8 +452,8 @@ def test_load_generator_reports_percentiles_over_http(server: Server) -> None:
 
 
 def test_load_generator_counts_failures_by_kind_and_shows_the_first(server: Server) -> None:
-    from devgraph.serve.loadgen import TraceRequest, run_load
-    from devgraph.serve.report import summary_table
+    from devgraph.serve.bench.loadgen import TraceRequest, run_load
+    from devgraph.serve.bench.report import summary_table
 
     trace = [TraceRequest(0, [1, 2], 2), TraceRequest(1, [1, 9999], 2), TraceRequest(2, [3], 2)]
     summary = asyncio.run(run_load(server.url, trace, concurrency=2, progress=False))["summary"]
@@ -489,9 +489,9 @@ def test_bench_serve_cuts_lengths_to_the_context_and_survives_a_closed_stdout(
 def test_bench_serve_checks_lengths_and_the_json_path_before_the_run(tmp_path: Path) -> None:
     import argparse
 
-    from devgraph._serve_cli import add_bench_serve_parser
     from devgraph.errors import ConfigError
-    from devgraph.serve.loadgen import check_lengths, make_trace, run_from_args, trace_lengths
+    from devgraph.serve.bench.loadgen import check_lengths, make_trace, run_from_args, trace_lengths
+    from devgraph.serve.cli import add_bench_serve_parser
 
     with pytest.raises(ConfigError, match="cannot fit the server's context of 256 tokens"):
         check_lengths((200, 300), (60, 80), 256)
@@ -510,9 +510,9 @@ def test_a_kv_cache_too_large_for_memory_or_too_small_for_the_warm_up_is_refused
 ) -> None:
     import argparse
 
-    from devgraph._serve_cli import add_serve_parser
     from devgraph.errors import ConfigError
-    from devgraph.serve import server as server_module
+    from devgraph.serve.api import server as server_module
+    from devgraph.serve.cli import add_serve_parser
 
     parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
     args = parser.parse_args(["--device", "cpu", "--num-blocks", str(1 << 24)])
@@ -532,9 +532,9 @@ def test_a_kv_cache_too_large_for_memory_or_too_small_for_the_warm_up_is_refused
 def test_start_up_errors_name_the_flags_the_user_set_and_values_that_work() -> None:
     import argparse
 
-    from devgraph._serve_cli import add_serve_parser
     from devgraph.errors import ConfigError
-    from devgraph.serve import server as server_module
+    from devgraph.serve.api import server as server_module
+    from devgraph.serve.cli import add_serve_parser
 
     parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
     args = parser.parse_args(["--device", "cpu", "--token-budget", "4"])
@@ -600,8 +600,8 @@ def test_percentiles_and_summary() -> None:
 def test_serve_cli_parsers() -> None:
     import argparse
 
-    from devgraph._serve_cli import add_bench_serve_parser, add_serve_parser
-    from devgraph.config import DeviceGraphConfig
+    from devgraph.flag.config import DeviceGraphConfig
+    from devgraph.serve.cli import add_bench_serve_parser, add_serve_parser
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
@@ -614,7 +614,7 @@ def test_serve_cli_parsers() -> None:
     assert isinstance(args.device_graph_mode, DeviceGraphConfig) and args.port == 0 and args.deterministic
     args = parser.parse_args(["bench", "serve", "--request-rate", "2.5", "--prompt-len", "8:16"])
     assert args.request_rate == 2.5 and args.prompt_len == (8, 16) and args.concurrency is None
-    from devgraph.serve.server import listen_url
+    from devgraph.serve.api.server import listen_url
 
     assert (
         listen_url("::1", 8000) == "http://[::1]:8000"

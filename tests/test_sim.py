@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from devgraph.breaks import graph_break
-from devgraph.context import capture_flag, forward_context, get_forward_context
+from devgraph.contract.breaks import graph_break
+from devgraph.contract.context import capture_flag, forward_context, get_forward_context
+from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError, ReplayError
-from devgraph.platform import DeviceGraph, GraphPlatform
-from devgraph.sim import CpuSimPlatform, SimGraph, SimPool
+from devgraph.platforms.sim import CpuSimPlatform, SimGraph, SimPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,7 +115,7 @@ def test_platform_satisfies_the_interfaces() -> None:
 
 def test_op_info_writes_exactly_where_the_schema_is_mutable() -> None:
     """Capture re-runs every op that writes an argument: ``writes`` stands for ``schema.is_mutable``."""
-    from devgraph.sim.ops import op_info
+    from devgraph.platforms.sim.ops import op_info
 
     aten = torch.ops.aten
     overloads = [

@@ -7,7 +7,14 @@ import tracemalloc
 import pytest
 
 from devgraph import DEFAULT_DECODE_SIZES, DEFAULT_PREFILL_SIZES, ConfigError, SizeSchedule, resolve_sizes
-from devgraph.sizes import HARD_MAX_SIZE, MAX_SIZE_COUNT, GiB, check_size, default_max_size, device_max_size
+from devgraph.flag.sizes import (
+    HARD_MAX_SIZE,
+    MAX_SIZE_COUNT,
+    GiB,
+    check_size,
+    default_max_size,
+    device_max_size,
+)
 
 
 def test_bucket_rounds_up_and_stops_past_max():

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from devgraph import ConfigError, GraphRunner, InputError, StaticInput
-from devgraph.keys import GraphKey
-from devgraph.staging import StaticBuffers
+from devgraph.contract.keys import GraphKey
+from devgraph.runner.staging import StaticBuffers
 
 SIZES = [1, 2, 4]
 INPUTS = {"x": StaticInput(torch.float32, (4,), fill=0.0), "idx": StaticInput(torch.int64, fill=7)}

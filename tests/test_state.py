@@ -8,7 +8,7 @@ import torch
 
 import devgraph
 from devgraph import CaptureError, ConfigError, GraphRunner, StaticInput, is_capturing
-from devgraph.state import StateHooks
+from devgraph.runner.state import StateHooks
 
 SIZES = [1, 2, 4]
 INPUTS = {"x": StaticInput(torch.float32, (4,), fill=0.0)}

@@ -162,7 +162,7 @@ needs_prometheus = pytest.mark.skipif(
 def test_prometheus_collector_exposes_the_counters():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from devgraph.metrics import register_runners
+    from devgraph.runner.metrics import register_runners
 
     runner = scripted_runner()
     registry = CollectorRegistry()
@@ -189,7 +189,7 @@ def test_prometheus_collector_exposes_the_counters():
 def test_prometheus_collector_labels_each_runner():
     from prometheus_client import CollectorRegistry
 
-    from devgraph.metrics import register_runners
+    from devgraph.runner.metrics import register_runners
 
     decode = GraphRunner(
         forward,
@@ -233,10 +233,10 @@ def test_prometheus_collector_labels_each_runner():
 
 def test_metrics_without_prometheus_client_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if not installed
-    from devgraph.metrics import RunnerCollector, register_runners
+    from devgraph.runner.metrics import RunnerCollector, register_runners
 
     hint = (
-        r"devgraph.metrics needs prometheus_client, "
+        r"devgraph.runner.metrics needs prometheus_client, "
         r"which is not installed: pip install 'devgraph\[metrics\]'"
     )
     with pytest.raises(BackendUnavailableError, match=hint):

@@ -18,7 +18,7 @@ from conftest import chained_breaks
 
 import devgraph
 from devgraph import CaptureError, GraphKey, GraphRunner, RecompileError, StaticInput, graph_break
-from devgraph.keys import REQUESTS
+from devgraph.contract.keys import REQUESTS
 from devgraph.reference import (
     ReferenceConfig,
     ReferenceModel,
@@ -379,7 +379,7 @@ def test_a_break_op_runs_outside_the_graph_pool_and_only_its_outputs_go_into_it(
     """The op's temporaries stay out of the graph pool (a pool keeps whatever it ever held reserved while
     its graphs live; an attention break op's gathered K/V made that 20x full's prefill memory on an H100):
     the op runs on the ordinary allocator, then its outputs are copied into the pool."""
-    from devgraph.sim.platform import CpuSimPlatform
+    from devgraph.platforms.sim.platform import CpuSimPlatform
 
     in_pool = [False]
     events: list[tuple[str, bool]] = []

@@ -265,7 +265,7 @@ def test_a_process_group_without_torch_distributed_is_refused():
 def test_the_simulator_records_a_c10d_collective(unused_port):
     import torch.distributed as dist
 
-    from devgraph.sim.graph import SimGraph, abort_capture
+    from devgraph.platforms.sim.graph import SimGraph, abort_capture
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{unused_port}", rank=0, world_size=1)
     graph = SimGraph()
@@ -343,7 +343,7 @@ def test_the_simulator_waits_for_a_functional_collective_before_reading_it(unuse
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from devgraph.sim.graph import SimGraph, abort_capture
+    from devgraph.platforms.sim.graph import SimGraph, abort_capture
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{unused_port}", rank=0, world_size=1)
     graph = SimGraph()

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from devgraph import ranks
-from devgraph.context import forward_context, is_capturing
+from devgraph.contract.context import forward_context, is_capturing
+from devgraph.contract.keys import GraphKey
 from devgraph.errors import CaptureError, ReplayError
-from devgraph.keys import GraphKey
 from devgraph.reference import (
     ReferenceConfig,
     ReferenceModel,
@@ -40,7 +40,7 @@ from devgraph.reference import (
     reference_inputs,
 )
 from devgraph.reference.tp import TPReferenceModel, tp_decode_runner, tp_prefill_runner
-from devgraph.runner import GraphRunner
+from devgraph.runner.graph_runner import GraphRunner
 
 DECODE_SIZES = [1, 2, 4]
 PREFILL_SIZES = [8, 16]
@@ -128,7 +128,7 @@ class FakeCommunicator:
 def _platform_capturing(ctx: Ctx) -> Callable[[], bool]:
     if ctx.cuda:
         return torch.cuda.is_current_stream_capturing
-    from devgraph.sim.graph import is_capturing as sim_capturing
+    from devgraph.platforms.sim.graph import is_capturing as sim_capturing
 
     return sim_capturing
 

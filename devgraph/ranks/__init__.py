@@ -3,7 +3,7 @@
 Tensor-parallel runners talk over two groups. The engine's process group (NCCL on GPUs) carries the
 model's collectives, which live inside the graphs. A small gloo *control group* that devgraph builds once
 per process group, over the same ranks, carries devgraph's own messages: the capture handshake
-(:class:`CaptureSync`) and the per-step key check (:func:`check_lockstep`). gloo raises on a timeout or a
+(:class:`CaptureSync`) and the per-step key check (:func:`assert_same_key`). gloo raises on a timeout or a
 dead peer, where a collective stuck on a device is only ended by NCCL's watchdog killing the process. The
 timeout is :func:`rank_timeout_s` (``DEVGRAPH_RANK_TIMEOUT_S``, default 60 s). Teardown keeps graphs
 released before their communicator is destroyed (:mod:`devgraph.ranks.teardown`). See
@@ -26,7 +26,7 @@ from devgraph.ranks.group import (
     rank_timeout_s,
     settle_device,
 )
-from devgraph.ranks.lockstep import check_lockstep
+from devgraph.ranks.lockstep import assert_same_key
 from devgraph.ranks.teardown import (
     close_runners,
     destroy_process_group,
@@ -36,12 +36,12 @@ from devgraph.ranks.teardown import (
 )
 
 __all__ = [
-    "DEFAULT_RANK_TIMEOUT_S",
-    "RANK_TIMEOUT_ENV",
     "CaptureSync",
+    "DEFAULT_RANK_TIMEOUT_S",
     "PeerLost",
+    "RANK_TIMEOUT_ENV",
+    "assert_same_key",
     "barrier",
-    "check_lockstep",
     "close_runners",
     "control_group",
     "destroy_process_group",

@@ -7,10 +7,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import CaptureError
-from devgraph.keys import GraphKey
-from devgraph.modes import shorten
-from devgraph.platform import GraphPlatform, describe_error
+from devgraph.messages import describe_error, shorten
 from devgraph.ranks.group import (
     RANK_TIMEOUT_ENV,
     PeerLost,

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
-from devgraph.platform import GraphPlatform, describe_error
+from devgraph.messages import describe_error
 
-logger = logging.getLogger("devgraph.ranks")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_RANK_TIMEOUT_S",

@@ -19,7 +19,7 @@ from devgraph.ranks.group import (
     rank_timeout_s,
 )
 
-__all__ = ["check_lockstep"]
+__all__ = ["assert_same_key"]
 
 
 def _key_code(key: Any) -> int:
@@ -30,7 +30,7 @@ def _key_code(key: Any) -> int:
     return int.from_bytes(digest, "little") >> 1 or 1
 
 
-def check_lockstep(group: Any, key: Any) -> None:
+def assert_same_key(group: Any, key: Any) -> None:
     """Raise :class:`ReplayError` unless every rank of ``group`` is about to replay ``key`` (or run eagerly).
 
     One all-gather of one int64 on the control group per step (a second one, of the keys' text, only when

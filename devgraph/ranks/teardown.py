@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from devgraph.platform import GraphPlatform
+from devgraph.contract.platform import GraphPlatform
 from devgraph.ranks.group import forget_control_groups, group_alive
 
 __all__ = ["destroy_process_group", "install_destroy_guard", "release_backend", "track_runner"]
 
-logger = logging.getLogger("devgraph.ranks")
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _runners: dict[Any, weakref.WeakSet[Any]] = {}  # process group -> runners built with it

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from devgraph.errors import ConfigError
-from devgraph.modes import shorten
+from devgraph.messages import shorten
 from devgraph.reference.kernels.backends import BACKEND_NAMES
 
 __all__ = ["check_kernels", "check_positive_ints", "preset_values"]

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from devgraph.contract.inputs import Fill, StaticInput
+from devgraph.contract.keys import REQUESTS
 from devgraph.errors import ConfigError
-from devgraph.inputs import Fill, StaticInput
-from devgraph.keys import REQUESTS
 from devgraph.reference.model import ReferenceModel
 
 __all__ = [

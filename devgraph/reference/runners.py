@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from devgraph.keys import REQUESTS
+from devgraph.contract.keys import REQUESTS
 from devgraph.reference.inputs import reference_inputs
 from devgraph.reference.model import ReferenceModel
-from devgraph.runner import GraphRunner
+from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = ["decode_runner", "prefill_runner", "verify_runner"]
 

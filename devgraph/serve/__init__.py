@@ -1,11 +1,9 @@
-"""``devgraph serve``: the reference engine behind an OpenAI-style HTTP API, and its load generator.
+"""The serving application: ``devgraph serve`` and ``devgraph bench serve``, one unit above the library.
 
-Modules: ``tokenizer`` (the byte-level tokenizer), ``protocol`` (request checking, response shapes),
-``app`` (aiohttp routes), ``metrics`` (Prometheus), ``server`` (start-up and SIGTERM), ``loadgen`` and
-``report`` (``devgraph bench serve``). aiohttp is imported only by the modules that
-need it. Run ``python -m devgraph.serve --help`` or ``devgraph serve --help``; see docs/serving.md.
+``engine/`` (paged KV blocks, continuous batching, chunked prefill, sampling, each forward through a
+``GraphRunner``), ``api/`` (the OpenAI-style HTTP API: request checking, aiohttp routes, Prometheus
+metrics, start-up and SIGTERM, the byte-level tokenizer), ``bench/`` (the load generator and its report)
+and ``cli`` (the arguments of both commands). The library never imports this package; aiohttp is
+imported only by the modules that need it. Run ``python -m devgraph.serve --help`` or
+``devgraph serve --help``; see docs/serving.md.
 """
-
-from devgraph.serve.tokenizer import ByteTokenizer, StreamDecoder
-
-__all__ = ["ByteTokenizer", "StreamDecoder"]

@@ -3,7 +3,6 @@
 
 import sys
 
-from devgraph.cli import main
+from devgraph.serve.cli import serve_main
 
-_argv = sys.argv[1:]
-raise SystemExit(main(["bench", "serve", *_argv[1:]] if _argv[:1] == ["bench"] else ["serve", *_argv]))
+raise SystemExit(serve_main(sys.argv[1:]))

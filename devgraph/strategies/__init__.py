@@ -1,11 +1,9 @@
-"""Device-neutral graph strategies, each a :class:`~devgraph.backend.DeviceGraphBackend` over a platform."""
+"""Device-neutral graph strategies, each a :class:`~devgraph.contract.backend.DeviceGraphBackend` over a
+platform."""
 
 from devgraph.strategies.breakable import BreakableBackend
 from devgraph.strategies.eager import EagerBackend
 from devgraph.strategies.full import FullGraphBackend
 from devgraph.strategies.tc_piecewise import TcPiecewiseBackend
 
-__all__ = ["BreakableBackend", "EagerBackend", "FullGraphBackend", "TcPiecewiseBackend", "STRATEGIES"]
-
-#: Strategy name -> class, the names users type in ``--device-graph-mode``.
-STRATEGIES = {cls.name: cls for cls in (FullGraphBackend, BreakableBackend, TcPiecewiseBackend, EagerBackend)}
+__all__ = ["BreakableBackend", "EagerBackend", "FullGraphBackend", "TcPiecewiseBackend"]

@@ -9,10 +9,10 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from devgraph.backend import DeviceGraphBackend
-from devgraph.context import replay_flag
+from devgraph.contract.backend import DeviceGraphBackend
+from devgraph.contract.context import replay_flag
+from devgraph.contract.keys import GraphKey
 from devgraph.errors import CaptureError, ReplayError
-from devgraph.keys import GraphKey
 
 __all__ = ["CapturedEntry", "GraphStrategy"]
 

@@ -31,7 +31,7 @@ from devgraph.errors import ConfigError
 
 __all__ = ["ArtifactCache", "fingerprint"]
 
-logger = logging.getLogger("devgraph.compile")
+logger = logging.getLogger(__name__)
 
 _MAGIC = b"devgraph-compile-cache\n"
 _FORMAT = 1

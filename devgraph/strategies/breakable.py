@@ -8,10 +8,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.breaks import BreakOp, break_handler
-from devgraph.context import capture_flag
-from devgraph.keys import GraphKey
-from devgraph.platform import DeviceGraph, GraphPlatform
+from devgraph.contract.breaks import BreakOp, break_handler
+from devgraph.contract.context import capture_flag
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import Strategy
+from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.plan import BreakCall, SegmentedPlan
 
@@ -89,7 +90,8 @@ class BreakableBackend(GraphStrategy):
     be captured (attention with host-side metadata, a custom communication op) but the rest should be.
     """
 
-    name = "breakable"
+    name = Strategy.BREAKABLE.value
+    runs_breaks_eagerly = True
 
     def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> SegmentedPlan:
         recorder = SegmentRecorder(self.platform, self._pool)

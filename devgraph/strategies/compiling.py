@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from devgraph.contract.modes import Compiler
+from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.errors import CaptureError, ConfigError, RecompileError
-from devgraph.modes import Compiler, shorten
-from devgraph.platform import Availability, GraphPlatform
+from devgraph.messages import shorten
 
 __all__ = [
     "CompileSession",
@@ -37,7 +38,7 @@ __all__ = [
     "inductor_compile",
 ]
 
-logger = logging.getLogger("devgraph.compile")
+logger = logging.getLogger(__name__)
 
 
 def check_compiler(compiler: str | None, strategy: str) -> str | None:

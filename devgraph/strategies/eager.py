@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
-from devgraph.backend import Batch, DeviceGraphBackend
+from devgraph.contract.backend import DeviceGraphBackend
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import Strategy
 from devgraph.errors import ReplayError
-from devgraph.keys import GraphKey
 
 __all__ = ["EagerBackend"]
 
@@ -17,11 +18,9 @@ __all__ = ["EagerBackend"]
 class EagerBackend(DeviceGraphBackend):
     """Runs every step eagerly; capture is a no-op. Selected by ``--device-graph-mode disabled``."""
 
-    name = "eager"
+    name = Strategy.EAGER.value
     uses_graphs = False
-
-    def can_run(self, batch: Batch) -> bool:
-        return False
+    runs_breaks_eagerly = True
 
     def capture_one(self, key: GraphKey, forward_fn: Callable[[], Any]) -> Any:
         return None

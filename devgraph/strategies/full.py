@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from devgraph.context import capture_flag
+from devgraph.contract.context import capture_flag
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import Compiler, Strategy
+from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import BackendUnavailableError
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
-from devgraph.modes import Compiler
-from devgraph.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.compiling import (
     CompileSession,
@@ -23,11 +23,13 @@ from devgraph.strategies.compiling import (
     inductor_compile,
 )
 
-__all__ = ["FullGraphBackend"]
+__all__ = ["FullEntry", "FullGraphBackend"]
 
 
 @dataclass
-class _FullEntry:
+class FullEntry:
+    """What ``full`` keeps per key: the graph and the outputs its capture returned."""
+
     graph: DeviceGraph
     outputs: Any
 
@@ -52,7 +54,9 @@ class FullGraphBackend(GraphStrategy):
     ``compiler="eager"`` traces with dynamo but runs the traced graph as is (for debugging).
     """
 
-    name = "full"
+    name = Strategy.FULL.value
+    accepts_compiler = True
+    runs_breaks_eagerly = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -91,7 +95,7 @@ class FullGraphBackend(GraphStrategy):
             # Save new artifacts; from here on a compile means a guard failed at run time: a bug to report.
             self.compile.captured()
 
-    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> _FullEntry:
+    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> FullEntry:
         platform = self.platform
         graph = platform.new_graph()
         platform.capture_begin(graph, self._pool)
@@ -105,7 +109,7 @@ class FullGraphBackend(GraphStrategy):
             platform.abort_capture(graph)
             raise
         platform.capture_end(graph)
-        return _FullEntry(graph, outputs)
+        return FullEntry(graph, outputs)
 
     def cleanup(self) -> None:
         super().cleanup()

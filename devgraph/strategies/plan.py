@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.breaks import BreakOp, break_op_for
+from devgraph.contract.breaks import BreakOp, break_op_for
+from devgraph.contract.platform import DeviceGraph
 from devgraph.errors import ReplayError
-from devgraph.platform import DeviceGraph
 
 __all__ = ["BreakCall", "SegmentedPlan", "copy_into"]
 

@@ -16,11 +16,11 @@ from typing import Any, cast
 
 import torch
 
-from devgraph.breaks import is_break_target
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
-from devgraph.modes import Compiler
-from devgraph.platform import Availability, GraphPlatform
+from devgraph.contract.breaks import is_break_target
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import Compiler, Strategy
+from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.breakable import SegmentRecorder
 from devgraph.strategies.compiling import (
@@ -125,7 +125,9 @@ class TcPiecewiseBackend(GraphStrategy):
     ``on_recompile="raise"``).
     """
 
-    name = "tc_piecewise"
+    name = Strategy.TC_PIECEWISE.value
+    accepts_compiler = True
+    runs_breaks_eagerly = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from devgraph.plugins import Registry
+from devgraph.registry.plugins import Registry
 from devgraph.testing._kit import (
     Check,
     CheckFailed,

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 import torch
 
+from devgraph.contract.keys import GraphKey
 from devgraph.errors import CaptureError, DevGraphError, ReplayError
-from devgraph.keys import GraphKey
 from devgraph.testing._fixtures import (
     WIDTH,
     feature_input,

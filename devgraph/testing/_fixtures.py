@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from devgraph.context import forward_context
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
+from devgraph.contract.context import forward_context
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
 from devgraph.reference import ReferenceConfig, ReferenceModel, reference_inputs
-from devgraph.runner import GraphRunner
+from devgraph.runner.graph_runner import GraphRunner
 from devgraph.testing._kit import KitContext
 from devgraph.testing._ops import context_scale
 

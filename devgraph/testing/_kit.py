@@ -11,15 +11,15 @@ from typing import Any, Literal
 
 import torch
 
-from devgraph._trees import max_abs, max_abs_diff
-from devgraph.backend import BackendOptions, DeviceGraphBackend
+from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.phases import PHASES
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import BackendUnavailableError, CaptureError, ConfigError, RecompileError, ReplayError
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
-from devgraph.phases import PHASES
-from devgraph.platform import GraphPlatform
-from devgraph.plugins import BackendSpec, Registry, get_registry
-from devgraph.runner import GraphRunner
+from devgraph.registry.plugins import BackendSpec, Registry, get_registry
+from devgraph.runner.graph_runner import GraphRunner
+from devgraph.runner.outputs.trees import max_abs, max_abs_diff
 from devgraph.testing._report import CheckResult, ConformanceFailure, ConformanceReport, Status
 
 __all__ = [
@@ -84,7 +84,7 @@ class KitOptions:
     * ``backend_options``: extra backend options (``BackendOptions.extra``).
     * ``break_ops``: what break ops do at replay: ``eager`` (run between segments, reading the live
       forward context: ``breakable``, ``tc_piecewise``), ``captured`` (inside the graph: ``full``) or
-      ``auto`` (from the backend's strategy class, else from what the backend is seen doing).
+      ``auto`` (what the backend class declares in ``runs_breaks_eagerly``, else what it is seen doing).
     * ``require_sync_detection``: fail, instead of skip, the capture-error check on a platform that says
       it cannot notice a host sync during capture (where it says it can, the check never skips).
     * ``exact_atol``: allowed difference between a replay and eager on the same padded batch (0: same
@@ -201,14 +201,10 @@ class KitContext:
         """What break ops do at replay for this backend (see :attr:`KitOptions.break_ops`)."""
         if self.options.break_ops != "auto":
             return self.options.break_ops
-        from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
-
-        cls = self.spec.cls
-        if issubclass(cls, (BreakableBackend, TcPiecewiseBackend)):
-            return "eager"
-        if issubclass(cls, FullGraphBackend):
-            return "captured"
-        return "eager" if observed_replay_calls else "captured"
+        declared = self.spec.cls.runs_breaks_eagerly
+        if declared is None:
+            declared = bool(observed_replay_calls)
+        return "eager" if declared else "captured"
 
     def randn(self, *shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
         generator = torch.Generator().manual_seed(seed)

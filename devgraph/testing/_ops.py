@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from devgraph.breaks import graph_break
-from devgraph.context import get_forward_context, is_capturing, is_replaying
+from devgraph.contract.breaks import graph_break
+from devgraph.contract.context import get_forward_context, is_capturing, is_replaying
 
 __all__ = ["OpCall", "context_scale", "op_calls", "clear_op_calls"]
 

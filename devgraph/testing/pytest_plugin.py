@@ -81,10 +81,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _check_options(config: pytest.Config) -> None:
     """Bad kit options are usage errors, reported before collection (never an INTERNALERROR)."""
+    from devgraph.contract.modes import MODE_NAME_PATTERN
+    from devgraph.contract.phases import check_phase
     from devgraph.errors import ConfigError
-    from devgraph.modes import MODE_NAME_PATTERN, shorten
-    from devgraph.phases import check_phase
-    from devgraph.plugins import get_registry
+    from devgraph.messages import shorten
+    from devgraph.registry.plugins import get_registry
 
     registered = sorted(f"{platform}:{name}" for platform, name in get_registry().backends)
     known = f"registered targets: {', '.join(registered) or 'none'} (`devgraph info` lists them)"

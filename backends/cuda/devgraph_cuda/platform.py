@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from devgraph.contract.platform import Availability
 from devgraph.errors import CaptureError
-from devgraph.platform import Availability
-from devgraph.torch_cuda_api import TorchCudaGraphPlatform
+from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
+from devgraph.platforms.torch_cuda import TorchCudaGraphPlatform
 
 __all__ = ["CudaPlatform"]
 
@@ -18,7 +19,7 @@ _CAPTURE_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
             "cudaErrorStreamCaptureUnsupported",
             "during CUDA graph capture",
         ),
-        "an op synchronized with the host or used a non-capturable API during capture",
+        f"{HOST_SYNC} during capture",
     ),
     (
         (
@@ -43,9 +44,8 @@ _CAPTURE_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
     ),
 )
 _ADVICE = (
-    "remove .item()/.tolist()/.cpu()/nonzero, torch.cuda.synchronize() and data-dependent shapes from the "
-    "captured forward, or make that op a @devgraph.graph_break op (modes 'breakable' / 'tc_piecewise' run "
-    "it eagerly between graph segments)"
+    f"{HOST_SYNC_ADVICE} (modes 'breakable' / 'tc_piecewise' run it eagerly between graph segments); "
+    "torch.cuda.synchronize() and blocking copies sync with the host too"
 )
 
 

@@ -10,7 +10,7 @@ The graph API used (torch-npu 2.x, the same one vllm-ascend and SGLang's NPU run
 * ``torch.npu.NPUGraph()``, ``torch.npu.graph_pool_handle()``;
 * ``torch.npu.graph(graph, pool=, stream=, auto_dispatch_capture=True, capture_error_mode=)`` entered
   and exited by hand, so a capture can begin and end in different calls (``capture_begin`` /
-  ``capture_end`` of :class:`~devgraph.platform.GraphPlatform`);
+  ``capture_end`` of :class:`~devgraph.contract.platform.GraphPlatform`);
 * ``NPUGraph.update(cpu_update_input=[{kwarg: value}])``: re-issues the captured attention ops whose
   host-side arguments (``actual_seq_lengths_kv``, ``actual_seq_kvlen``, ``context_lens``) change per
   step. torch-npu records those ops during a capture with ``auto_dispatch_capture=True``; one dict in
@@ -29,8 +29,8 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from devgraph.contract.platform import Availability
 from devgraph.errors import BackendUnavailableError
-from devgraph.platform import Availability
 
 __all__ = [
     "TorchNpuUnavailable",

@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
 from devgraph.errors import ConfigError, ReplayError
-from devgraph.inputs import StaticInput
-from devgraph.keys import GraphKey
 from devgraph.strategies import FullGraphBackend
-from devgraph.strategies.full import _FullEntry
+from devgraph.strategies.full import FullEntry
 
 if TYPE_CHECKING:
     from devgraph_npu.platform import NpuPlatform
 
 __all__ = ["NpuFullGraphBackend"]
 
-logger = logging.getLogger("devgraph_npu")
+logger = logging.getLogger(__name__)
 
 
 class NpuFullGraphBackend(FullGraphBackend):
@@ -83,7 +83,7 @@ class NpuFullGraphBackend(FullGraphBackend):
             )
         self._host_updates = tuple((name, keyword, inputs[name]) for name, keyword in mapping.items())
 
-    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> _FullEntry:
+    def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> FullEntry:
         entry = super()._capture(key, forward_fn)
         if self._host_updates:
             records = self.platform.update_records(entry.graph)
@@ -122,7 +122,7 @@ class NpuFullGraphBackend(FullGraphBackend):
         if entry is not None and self._host_updates and self._updatable.get(key, True):
             update = self.host_update_input(key, static_inputs)
             try:
-                self.platform.update_graph(cast(_FullEntry, entry).graph, [update])
+                self.platform.update_graph(cast(FullEntry, entry).graph, [update])
             except Exception as exc:
                 raise ReplayError(
                     f"NPUGraph.update of the graph for {key} with host-side inputs {sorted(update)} "

@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError
-from devgraph.platform import Availability, DeviceGraph, GraphPlatform
+from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
 from devgraph_npu import _torch_npu as api
 
 __all__ = ["NpuPlatform", "STREAM_EXHAUSTION", "translate_ascend_error"]
@@ -45,10 +46,8 @@ def translate_ascend_error(error: BaseException, size: int | None) -> CaptureErr
         )
     if _HOST_SYNC.search(text):
         return CaptureError(
-            f"an op synchronized with the host or used a non-capturable API while capturing {where} "
-            f"({first[:160]}); "
-            "remove .item()/.tolist()/.cpu() and data-dependent shapes from the captured forward; per-step "
-            "host values belong in a StaticInput(host=True) that the NPU backend passes to NPUGraph.update",
+            f"{HOST_SYNC} while capturing {where} ({first[:160]}); {HOST_SYNC_ADVICE}; per-step host values "
+            "belong in a StaticInput(host=True) that the NPU backend passes to NPUGraph.update",
             size=size,
         )
     return None

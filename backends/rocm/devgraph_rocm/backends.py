@@ -4,8 +4,8 @@
 Warm-up on the capture stream: hipBLASLt creates its handle and workspace lazily, the first time a
 GEMM runs on a stream. If the first GEMM on the capture stream happens inside the capture, that
 allocation is a non-capturable HIP call and capture fails (or, worse, records a workspace that is
-freed later). :class:`~devgraph.runner.GraphRunner` runs every warm-up iteration inside the backend's
-``capture_session(stream)``, i.e. on the capture stream, so the handles exist before capture begins;
+freed later). :class:`~devgraph.runner.graph_runner.GraphRunner` runs every warm-up iteration inside the
+backend's ``capture_session(stream)``, i.e. on the capture stream, so the handles exist before capture begins;
 these backends additionally refuse to capture on any other stream than the session's.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from devgraph.contract.keys import GraphKey
+from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.errors import BackendUnavailableError, CaptureError
-from devgraph.keys import GraphKey
-from devgraph.platform import Availability, GraphPlatform
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 
 __all__ = ["RocmFullGraphBackend", "RocmTcPiecewiseBackend", "RocmBreakableBackend", "BREAKABLE_REFUSED"]

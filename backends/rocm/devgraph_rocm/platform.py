@@ -1,8 +1,9 @@
 """The ROCm platform: HIP graphs on AMD GPUs, through ``torch.cuda`` on a ROCm build of torch.
 
 ROCm builds of torch expose AMD GPUs as device type ``cuda`` and HIP graphs through the same
-``torch.cuda.CUDAGraph`` API, so this platform is :class:`~devgraph.torch_cuda_api.TorchCudaGraphPlatform`
-with ROCm detection (``torch.version.hip``) and ROCm-specific advice.
+``torch.cuda.CUDAGraph`` API, so this platform is
+:class:`~devgraph.platforms.torch_cuda.TorchCudaGraphPlatform` with ROCm detection (``torch.version.hip``)
+and ROCm-specific advice.
 
 Test hook: with ``DEVGRAPH_ROCM_ON_CUDA=1`` the platform also accepts a CUDA build on an NVIDIA GPU, so the
 conformance kit can run the HIP backend classes where torch's graph API is the same. Only the kit's
@@ -17,9 +18,10 @@ from typing import ClassVar
 
 import torch
 
+from devgraph.contract.platform import Availability
 from devgraph.errors import CaptureError
-from devgraph.platform import Availability
-from devgraph.torch_cuda_api import TorchCudaGraphPlatform
+from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
+from devgraph.platforms.torch_cuda import TorchCudaGraphPlatform
 
 __all__ = ["RocmPlatform", "ROCM_ON_CUDA_ENV", "rocm_on_cuda"]
 
@@ -99,10 +101,8 @@ class RocmPlatform(TorchCudaGraphPlatform):
             )
         if _CAPTURE_UNSUPPORTED.search(text):
             return CaptureError(
-                "an op synchronized with the host or used a non-capturable HIP API during capture "
-                f"({first[:160]}); "
-                "remove .item()/.tolist()/.cpu()/nonzero and data-dependent shapes from the captured "
-                "forward, or make that op a @devgraph.graph_break op (run with tc_piecewise on ROCm)",
+                f"{HOST_SYNC} of HIP during capture ({first[:160]}); {HOST_SYNC_ADVICE} (run with "
+                "tc_piecewise on ROCm)",
                 size=size,
             )
         return super().translate_capture_error(error, size)

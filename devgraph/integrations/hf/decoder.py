@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from devgraph.capture import CaptureReport
-from devgraph.config import DeviceGraphConfig
+from devgraph.contract.inputs import StaticInput
 from devgraph.errors import ConfigError
-from devgraph.inputs import StaticInput
+from devgraph.flag.config import DeviceGraphConfig
 from devgraph.integrations.hf.cache import SharedStaticCache
 from devgraph.integrations.hf.fast import DecodeRegions, FastPath, resolve_windows
 from devgraph.integrations.hf.lib import transformers
@@ -26,12 +25,13 @@ from devgraph.integrations.hf.support import (
     check_model,
     route_generate,
 )
-from devgraph.modes import shorten
-from devgraph.runner import GraphRunner
+from devgraph.messages import shorten
+from devgraph.runner.capture.loop import CaptureReport
+from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = ["DevgraphDecoder"]
 
-logger = logging.getLogger("devgraph.integrations.transformers")
+logger = logging.getLogger(__name__)
 
 
 def _positive(value: Any, name: str) -> int:

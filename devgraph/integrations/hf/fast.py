@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
 from devgraph.integrations.hf.lib import transformers
 from devgraph.integrations.hf.patching import (
@@ -45,8 +46,7 @@ from devgraph.integrations.hf.regions import (
     rope,
     swiglu,
 )
-from devgraph.modes import shorten
-from devgraph.platform import GraphPlatform
+from devgraph.messages import shorten
 
 __all__ = ["MIN_WINDOW", "FastPath", "DecodeRegions", "resolve_windows"]
 

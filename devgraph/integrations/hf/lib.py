@@ -39,7 +39,7 @@ SUPPORTED = (
     f"<{MAX_TESTED_VERSION[0]}.{MAX_TESTED_VERSION[1] + 1}')"
 )
 
-logger = logging.getLogger("devgraph.integrations.transformers")
+logger = logging.getLogger(__name__)
 
 _module: ModuleType | None = None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from devgraph.platform import GraphPlatform
+from devgraph.contract.platform import GraphPlatform
 from devgraph.strategies.compiling import inductor_compile
 
 __all__ = ["CompiledRegion", "close_enough", "matches", "region_role", "rms_norm", "rope", "swiglu"]

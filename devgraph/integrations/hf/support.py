@@ -11,7 +11,7 @@ import torch
 
 from devgraph.errors import ConfigError
 from devgraph.integrations.hf.features import CACHE_ARGUMENTS, ModelFeatures, find_features
-from devgraph.modes import shorten
+from devgraph.messages import shorten
 
 __all__ = ["FALLBACK_REASONS", "Route", "check_model", "check_generate_kwargs", "route_generate"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from devgraph.errors import ConfigError
-from devgraph.modes import shorten
+from devgraph.messages import shorten
 from devgraph.reference.encoder.model import VisionEncoder
 
 __all__ = ["EncoderContext", "ImageBatch", "image_positions", "make_image_batch", "window_order"]

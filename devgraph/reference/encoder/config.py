@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from devgraph.errors import ConfigError
-from devgraph.modes import shorten
+from devgraph.messages import shorten
 from devgraph.reference.config_rules import check_kernels, check_positive_ints, preset_values
 
 __all__ = ["ENCODER_ATTENTION", "ENCODER_PRESETS", "VisionConfig"]

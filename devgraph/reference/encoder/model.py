@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devgraph.context import is_capturing
+from devgraph.contract.context import is_capturing
 from devgraph.errors import CaptureError, InputError
 from devgraph.reference.encoder.attention import image_sdpa, varlen_image_attention
 from devgraph.reference.encoder.config import VisionConfig

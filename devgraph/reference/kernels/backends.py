@@ -17,7 +17,7 @@ import torch
 
 from devgraph.errors import BackendUnavailableError, ConfigError
 from devgraph.extras import install_hint, missing_extra
-from devgraph.modes import shorten
+from devgraph.messages import shorten
 from devgraph.reference.kernels import torch_ref
 
 __all__ = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from devgraph.errors import InputError
-from devgraph.modes import shorten
+from devgraph.messages import shorten
 
 __all__ = [
     "check_decode",

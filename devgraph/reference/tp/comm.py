@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from devgraph.errors import ConfigError
-from devgraph.sim.graph import record_opaque
+from devgraph.platforms.sim.graph import record_opaque
 
 __all__ = ["COMM_MODES", "TPComm"]
 

@@ -1,0 +1,78 @@
+"""Forward context: what model code may ask about the step it is running in.
+
+A break op replays with the arguments it was captured with, so anything that changes per batch and
+is not in a static tensor (host-side sequence lengths, a scheduler's metadata) must be read from the
+live context that :meth:`GraphRunner.run` installs for the duration of the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+__all__ = [
+    "forward_context",
+    "get_forward_context",
+    "is_capturing",
+    "is_replaying",
+    "capture_flag",
+    "replay_flag",
+]
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.context: Any = None
+        self.capturing = False
+        self.replaying = False
+
+
+_state = _State()
+
+
+def get_forward_context() -> Any:
+    """The per-step context object handed to ``GraphRunner.run(context=...)``, or ``None``."""
+    return _state.context
+
+
+def is_capturing() -> bool:
+    """True while devgraph captures a graph (model code must then avoid host syncs)."""
+    return _state.capturing
+
+
+def is_replaying() -> bool:
+    """True while devgraph replays a graph (only break ops run Python code then)."""
+    return _state.replaying
+
+
+@contextmanager
+def forward_context(context: Any) -> Iterator[Any]:
+    """Install ``context`` as the live forward context for the enclosed code."""
+    previous = _state.context
+    _state.context = context
+    try:
+        yield context
+    finally:
+        _state.context = previous
+
+
+@contextmanager
+def _switched(flag: str, on: bool) -> Iterator[None]:
+    previous = getattr(_state, flag)
+    setattr(_state, flag, on)
+    try:
+        yield
+    finally:
+        setattr(_state, flag, previous)
+
+
+def capture_flag(on: bool = True) -> AbstractContextManager[None]:
+    """Mark the enclosed code as running under capture (set by backends, read via :func:`is_capturing`)."""
+    return _switched("capturing", on)
+
+
+def replay_flag(on: bool = True) -> AbstractContextManager[None]:
+    """Mark the enclosed code as running under replay (set by backends, read via :func:`is_replaying`)."""
+    return _switched("replaying", on)

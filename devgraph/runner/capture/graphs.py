@@ -1,0 +1,143 @@
+"""A runner's graphs: every key captured at start-up, or each key on first sight within the lazy cache's
+bounds; one key's graph released; and what each capture cost.
+
+The runner owns one :class:`RunnerGraphs`. It builds the capture job from the runner's plan (ranks of a
+process group capture in step and fail together), leaves declared state as it found it, learns the output
+layout after the first capture, and on a failure releases what it captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from devgraph.contract.backend import DeviceGraphBackend
+from devgraph.contract.keys import GraphKey
+from devgraph.ranks import CaptureSync, rank_of
+from devgraph.runner.capture.lazy import LazyGraphs
+from devgraph.runner.capture.loop import (
+    CaptureJob,
+    CaptureReport,
+    KeyReport,
+    capture_keys,
+    frozen_gc,
+    show_progress,
+)
+from devgraph.runner.capture.probe import probe_layout
+from devgraph.runner.outputs.layout import OutputLayout
+from devgraph.runner.plan import RunnerPlan
+from devgraph.runner.staging import StaticBuffers
+from devgraph.runner.stats import RunnerStats
+
+__all__ = ["RunnerGraphs"]
+
+logger = logging.getLogger(__name__)
+
+
+class RunnerGraphs:
+    """Captures a runner's keys into its backend and keeps a report per captured key.
+
+    ``forward`` is the callable the backend wrapped (compiled, for a compiling strategy): warm-ups, capture
+    and the layout probe run it on the runner's static ``buffers``.
+    """
+
+    def __init__(
+        self,
+        plan: RunnerPlan,
+        backend: DeviceGraphBackend,
+        forward: Callable[..., Any],
+        buffers: StaticBuffers,
+        layout: OutputLayout,
+        stats: RunnerStats,
+    ) -> None:
+        self.plan = plan
+        self.backend = backend
+        self.forward = forward
+        self._buffers = buffers
+        self._layout = layout
+        self.reports: dict[GraphKey, KeyReport] = {}
+        self.lazy = LazyGraphs(
+            plan.capture.lazy_policy,
+            stats,
+            has_graph=backend.has_shape,
+            capture=lambda key: self.capture([key], collect=False)[0].bytes,
+            release=self.release,
+        )
+
+    def empty_report(self) -> CaptureReport:
+        return CaptureReport(self.plan.phase, self.backend.name, self.plan.platform.name)
+
+    def start_up(self) -> CaptureReport:
+        """Prepare the backend and capture every key, largest first (a lazily capturing runner: none)."""
+        plan, backend = self.plan, self.backend
+        report = self.empty_report()
+        if not backend.uses_graphs:
+            return report
+        keys = plan.schedule.keys()
+        backend.prepare(plan.inputs, () if plan.capture.lazy else keys)
+        if not plan.capture.lazy:
+            start = time.perf_counter()
+            report.keys = self.capture(keys, collect=True)
+            report.seconds = time.perf_counter() - start
+            if rank_of(plan.process_group) == 0:  # one report per tensor-parallel group
+                logger.info("%s", report.table())
+        return report
+
+    def capture(self, keys: Sequence[GraphKey], *, collect: bool) -> list[KeyReport]:
+        """Capture ``keys`` (largest first) in one session; on a failure release them and raise."""
+        plan, backend = self.plan, self.backend
+        lazy = plan.capture.lazy
+        # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
+        sync = CaptureSync(plan.platform, plan.process_group, plan.phase, keys, backend)
+        job = CaptureJob(
+            phase=plan.phase,
+            backend=backend,
+            platform=plan.platform,
+            forward=self.forward,
+            inputs_for=lambda key: {**self._buffers.views(key), **key.variant_dict},
+            warmup_iters=plan.capture.warmup_iters,
+            max_size=plan.schedule.max_tokens,
+            capture_context=plan.capture.context,
+            barrier=sync.barrier,
+            ready=sync.ready,
+            on_captured=self._layout.observe,
+            finish=self._learn_layout,
+            hook=plan.capture.hook,
+            agree=sync.agree,
+            progress="off" if lazy else show_progress(plan.capture.progress, rank_of(plan.process_group)),
+            shared_pool=not lazy,
+        )
+        with plan.state.preserved(), frozen_gc(collect):
+            self._buffers.reset()
+            try:
+                reports = capture_keys(job, keys)
+            except BaseException:
+                if lazy:
+                    for key in keys:  # this key only: graphs captured earlier keep serving
+                        self._layout.forget(key)
+                        if backend.has_shape(key):
+                            backend.release(key)
+                        self.lazy.failed.add(key)
+                else:
+                    backend.cleanup()
+                raise
+        reports.sort(key=lambda r: r.key.sort_key())
+        self.reports.update((r.key, r) for r in reports)
+        return reports
+
+    def _learn_layout(self, key: GraphKey) -> None:
+        if self._layout.axes is None:
+            probe_layout(self.plan, self.forward, self._layout, key)
+            self._layout.finish()
+
+    def release(self, key: GraphKey) -> None:
+        """Drop ``key``'s graph (the lazy cache evicts it) and what was learnt with it."""
+        self.backend.release(key)
+        self.reports.pop(key, None)
+        self._layout.forget(key)
+
+    def clear(self) -> None:
+        self.lazy.clear()
+        self.reports.clear()

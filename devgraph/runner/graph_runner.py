@@ -1,0 +1,400 @@
+"""``GraphRunner``: capture a phase's forward at start-up (or on first sight), replay it on every step.
+
+The runner assembles its parts from one :class:`~devgraph.runner.plan.RunnerPlan` (the flag and the
+arguments resolved once): :mod:`~devgraph.runner.staging` validates and pads inputs, the
+:mod:`~devgraph.runner.dispatch` dispatcher decides graph or eager and which key, the backend captures
+(:mod:`~devgraph.runner.capture.graphs`) and replays, :mod:`~devgraph.runner.outputs.layout` hands the same
+structure back on every path, :mod:`~devgraph.runner.stats` counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from devgraph.contract.backend import DeviceGraphBackend
+from devgraph.contract.context import forward_context
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
+from devgraph.errors import ConfigError, InputError
+from devgraph.flag.config import DeviceGraphConfig
+from devgraph.flag.factory import ResolvedPhase
+from devgraph.messages import shorten
+from devgraph.ranks import assert_same_key, release_backend, track_runner
+from devgraph.runner.capture.graphs import RunnerGraphs
+from devgraph.runner.capture.loop import CaptureReport
+from devgraph.runner.dispatch import Decision, Dispatcher
+from devgraph.runner.inspection import describe_runner
+from devgraph.runner.outputs.layout import OutputLayout
+from devgraph.runner.outputs.trees import copy_into_out, copy_tree
+from devgraph.runner.plan import plan_runner
+from devgraph.runner.schedule import AxisSizes, KeySchedule
+from devgraph.runner.staging import StaticBuffers, StepValidator
+from devgraph.runner.stats import RunnerStats
+from devgraph.runner.verify import VerifyResult, compare
+
+__all__ = ["GraphRunner"]
+
+logger = logging.getLogger(__name__)
+
+#: Keywords of run() and verify(): an input may not use these names.
+RESERVED_NAMES = frozenset({"n", "context", "counts", "variant", "copy", "out", "rtol", "self"})
+
+
+class GraphRunner:
+    """Captures ``forward`` for a phase at a set of keys and replays it, padding each step up to a key.
+
+    ``forward(**inputs, **variant)`` takes one tensor per declared :class:`StaticInput` (rows follow the
+    input's axis: the step's token count, or its request count, ...) and returns any pytree of tensors;
+    model state (weights, KV cache) is reached through the closure. Choose the backend with ``mode`` (a
+    strategy name) or ``config`` (a parsed ``--device-graph-mode``). The arguments are resolved once into
+    :attr:`plan` (:mod:`devgraph.runner.plan`): those the flag also has are checked as its values are, and
+    the flag wins where both set one. See docs/user-guide.md.
+
+    Thread safety: ``run``, ``verify``, ``capture`` and ``close`` hold one lock, so steps from several
+    threads never interleave. What ``run`` returns is valid until the next ``run`` from any thread: threads
+    sharing a runner pass ``copy=True`` (or ``out=``). ``single_thread=True`` drops the lock for an engine
+    that calls the runner from one thread only.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        *,
+        phase: str,
+        inputs: Mapping[str, StaticInput],
+        sizes: Sequence[int] | None = None,
+        max_size: int | None = None,
+        device: torch.device | str | None = None,
+        mode: str | None = None,
+        config: DeviceGraphConfig | str | None = None,
+        compiler: str | None = None,
+        features: Mapping[str, Any] | None = None,
+        warmup_iters: int | None = None,
+        capture_context: Callable[[GraphKey], Any] | None = None,
+        process_group: Any = None,
+        progress: bool | None = None,
+        backend: DeviceGraphBackend | None = None,
+        axes: Mapping[str, AxisSizes] | None = None,
+        tokens_per_request: int | None = None,
+        variants: Mapping[str, Sequence[Hashable]] | None = None,
+        state: Any = None,
+        output_axes: Sequence[str | None] | Mapping[str, str | None] | None = None,
+        lazy: bool | None = None,
+        max_graphs: int | None = None,
+        max_graph_bytes: int | None = None,
+        capture_hook: Callable[[], Any] | None = None,
+        check_lockstep: bool = False,
+        single_thread: bool = False,
+    ) -> None:
+        if not callable(forward):
+            raise ConfigError(f"GraphRunner forward must be callable, got {shorten(forward)}")
+        self.forward = forward
+        flag_keys = {"sizes": sizes, "max_size": max_size, "compiler": compiler, "warmup_iters": warmup_iters}
+        flag_keys.update(lazy=lazy, max_graphs=max_graphs, max_graph_bytes=max_graph_bytes)
+        self.plan, backend = plan_runner(
+            phase=phase,
+            inputs=inputs,
+            reserved=RESERVED_NAMES,
+            device=device,
+            backend=backend,
+            features=features,
+            mode=mode,
+            config=config,
+            arguments=flag_keys,
+            axes=axes,
+            tokens_per_request=tokens_per_request,
+            variants=variants,
+            capture_context=capture_context,
+            capture_hook=capture_hook,
+            progress=progress,
+            process_group=process_group,
+            state=state,
+            output_axes=output_axes,
+            check_lockstep=check_lockstep,
+            single_thread=single_thread,
+        )
+        plan = self.plan
+        self.backend: DeviceGraphBackend = backend
+        #: Check each step that every rank replays the same key (an all-gather); may flip between steps.
+        self.check_lockstep: bool = plan.check_lockstep
+        self._dispatcher = Dispatcher(plan.schedule)
+        self._validator = StepValidator(plan)
+        self._buffers = StaticBuffers(plan.inputs, plan.schedule.max_rows(), plan.device)
+        # Decode's request count is its token count: an output following either is cut the same way.
+        linked = frozenset({REQUESTS}) if plan.tokens_per_request == 1 else frozenset()
+        self._layout = OutputLayout(plan.output_axes, same_as_tokens=linked)
+        self._stats = RunnerStats()
+        self._lock = contextlib.nullcontext() if plan.single_thread else threading.RLock()
+        self._closed = self._captured = False
+        self.report: CaptureReport | None = None
+        self._check_can_run = type(backend).can_run is not DeviceGraphBackend.can_run
+        backend.bind(self)  # first: a backend another runner owns is refused before anything is compiled
+        if backend.captured_keys():
+            # Graphs of an earlier owner that was dropped without close(): they read its buffers, not ours.
+            logger.info("devgraph: releasing graphs a previous runner left in its %s backend", backend.name)
+            backend.cleanup()
+        graph_forward = self._graph_forward = backend.wrap_forward(forward)
+        self._graphs = RunnerGraphs(plan, backend, graph_forward, self._buffers, self._layout, self._stats)
+        track_runner(self, plan.process_group)  # devgraph.ranks.destroy_process_group() closes it first
+
+    # -- what the plan resolved (runner.plan has it all) --------------------------------------------
+    @property
+    def phase(self) -> str:
+        return self.plan.phase
+
+    @property
+    def platform(self) -> Any:
+        return self.plan.platform
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    @property
+    def input_specs(self) -> Mapping[str, StaticInput]:
+        return self.plan.inputs
+
+    @property
+    def schedule(self) -> KeySchedule:
+        return self.plan.schedule
+
+    @property
+    def tokens_per_request(self) -> int | None:
+        return self.plan.tokens_per_request
+
+    @property
+    def warmup_iters(self) -> int:
+        return self.plan.capture.warmup_iters
+
+    @property
+    def lazy(self) -> bool:
+        return self.plan.capture.lazy
+
+    @property
+    def config(self) -> DeviceGraphConfig:
+        return self.plan.flag
+
+    @property
+    def resolved(self) -> ResolvedPhase:
+        return self.plan.resolved
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The token sizes this runner captures."""
+        return self.schedule.token_sizes
+
+    @property
+    def static_inputs(self) -> Mapping[str, torch.Tensor]:
+        """The full static buffers (as many rows as the largest key's axis)."""
+        return self._buffers.buffers
+
+    @property
+    def keys(self) -> list[GraphKey]:
+        """The keys holding a graph now."""
+        return sorted(self.backend.captured_keys(), key=GraphKey.sort_key)
+
+    def bucket(self, n: int) -> int | None:
+        """The token size a step of ``n`` tokens would replay now (``None``: it would run eagerly)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return None
+        counts = {TOKENS: n, **{a: 1 for a in self.schedule.axis_names}}
+        variant = {name: values[0] for name, values in self.schedule.variants.items()}
+        key = self._route(counts, variant).key  # no per-step context here, so no backend veto
+        return key.tokens if key is not None else None
+
+    # -- capture ------------------------------------------------------------------------------------
+    def capture(self) -> CaptureReport:
+        """Capture every key, largest first, into one pool on one stream; returns the report.
+
+        Per key: ``warmup_iters`` eager runs on the capture stream, a barrier across ``process_group``, the
+        capture (which changes no older tensor, on a device as on the simulator). At most one more eager
+        run learns the output layout (``output_axes=`` skips it). Declared ``state`` is restored after.
+        A lazily capturing runner captures nothing here. On failure raises :class:`CaptureError` naming
+        the key and what to do, after releasing every graph. See docs/user-guide.md.
+        """
+        with self._lock:
+            self._check_open()
+            if not self._captured:
+                self.report = self._graphs.start_up()
+                self._captured = True
+            return self.report or self._graphs.empty_report()
+
+    # -- run ----------------------------------------------------------------------------------------
+    def run(
+        self,
+        n: int | None = None,
+        context: Any = None,
+        *,
+        counts: Mapping[str, int] | None = None,
+        variant: Mapping[str, Hashable] | None = None,
+        copy: bool = False,
+        out: Any = None,
+        **inputs: torch.Tensor,
+    ) -> Any:
+        """Run one step of ``n`` tokens (default: the rows of the first tokens-axis input).
+
+        Replays the graph of the smallest key that holds the step (each axis padded with its inputs'
+        fills) and returns outputs with row-major leaves cut to the real counts, else runs ``forward``
+        eagerly (before ``capture()``, past the largest key, a variant not captured, ``can_run`` said no,
+        or a mode without graphs) and counts why. Every path validates inputs the same way and never lets
+        the forward's in-place changes to inputs reach the caller. Returned tensors are valid until the
+        next ``run()`` of any thread; ``copy=True`` returns owned tensors, ``out=`` copies into the
+        caller's tensors (checked against the step's outputs once the step ran).
+        """
+        if copy and out is not None:
+            raise InputError("run() takes copy=True or out=, not both: out= already gives owned tensors")
+        with self._lock:
+            self._check_open()
+            step, chosen = self._validator.validate(n, counts, variant, inputs)
+            result = self._step(step, chosen, context, inputs, count=True)
+            if out is not None:
+                return copy_into_out(result, out)
+            return copy_tree(result) if copy else result
+
+    def _decide(self, step: Batch, variant: Mapping[str, Any], context: Any) -> Decision:
+        backend = self.backend
+        can_run = (lambda key: backend.can_run(step.routed(key, context))) if self._check_can_run else None
+        return self._route(step.counts, variant, can_run)
+
+    def _route(
+        self,
+        counts: Mapping[str, int],
+        variant: Mapping[str, Any],
+        can_run: Callable[[GraphKey], bool] | None = None,
+    ) -> Decision:
+        """The dispatcher's decision for ``counts`` given this runner's state (captured and failed keys)."""
+        backend = self.backend
+        return self._dispatcher.decide(
+            counts,
+            variant,
+            uses_graphs=backend.uses_graphs,
+            captured=self._captured,
+            has_shape=backend.has_shape,
+            lazy=self.lazy,
+            failed=self._graphs.lazy.failed,
+            can_run=can_run,
+        )
+
+    def _step(
+        self,
+        step: Batch,
+        variant: dict[str, Any],
+        context: Any,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        count: bool,
+    ) -> Any:
+        decision = self._decide(step, variant, context)
+        key = decision.key
+        if self.check_lockstep:
+            assert_same_key(self.plan.process_group, key)
+        if key is None:
+            if count:
+                self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
+            return self._eager(context, variant, inputs)
+        if self.lazy:
+            self._graphs.lazy.lookup(key, count)
+        self._buffers.stage(step.counts, key, inputs)
+        with forward_context(context), self.backend.runtime_session():
+            raw = self.backend.replay(key, self._buffers.buffers)
+        if count:
+            self._stats.replayed(key, step.n)
+        return self._layout.slice(raw, step.counts, key)
+
+    def _eager(self, context: Any, variant: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> Any:
+        # The forward gets its own copies, as on the graph path: its in-place changes never reach the caller.
+        owned = {name: value.clone() for name, value in inputs.items()}
+        # The plain forward, never the compiled one: an eager step can never trigger a recompile.
+        with forward_context(context), torch.no_grad():
+            return self.forward(**owned, **variant)
+
+    # -- checks -------------------------------------------------------------------------------------
+    def verify(
+        self,
+        n: int | None = None,
+        context: Any = None,
+        *,
+        rtol: float | None = None,
+        counts: Mapping[str, int] | None = None,
+        variant: Mapping[str, Hashable] | None = None,
+        **inputs: torch.Tensor,
+    ) -> VerifyResult:
+        """Run one step through the graph and eagerly on the same inputs; report the largest differences.
+
+        The forward runs 3 times on the graph path (replay, eager on the caller's rows, eager on the padded
+        buffers), twice on the eager path; declared ``state`` is restored before each run and after the
+        last. ``rtol`` bounds both differences relative to max |eager| (default 1e-4; 2e-2 for 16-bit
+        outputs). Not counted in :meth:`stats` steps.
+        """
+        with self._lock:
+            self._check_open()
+            step, chosen = self._validator.validate(n, counts, variant, inputs)
+            self._stats.verify_calls += 1
+            key = self._decide(step, chosen, context).key
+            with self.plan.state.preserved() as restore:
+                graph = copy_tree(self._step(step, chosen, context, inputs, count=False))
+                restore()
+                unpadded = copy_tree(self._eager(context, chosen, inputs))
+                padded = unpadded
+                if key is not None:
+                    restore()
+                    self._buffers.stage(step.counts, key, inputs)
+                    with forward_context(context), torch.no_grad():
+                        raw = self._graph_forward(**self._buffers.views(key), **chosen)
+                    padded = copy_tree(self._layout.slice(raw, step.counts, key, replay=False))
+            return compare(step.n, key, graph, padded, unpadded, rtol)
+
+    # -- inspection ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Run-time counters as plain data: replays per key, eager steps by reason, padding waste."""
+        with self._lock:
+            return {"phase": self.phase, "backend": self.backend.name, **self._stats.as_dict()}
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats.reset()
+
+    def inspect(self) -> dict[str, Any]:
+        """What was set up and captured, as plain data (no private attributes needed)."""
+        with self._lock:
+            captured = self.report is not None
+            return describe_runner(self.plan, self.backend, self._graphs.reports, self._layout, captured)
+
+    # -- teardown -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release graphs, their pool and the static buffers. Call before destroying the process group."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                release_backend(self.backend, self.plan.process_group, self.platform)
+            finally:
+                self.backend.unbind(self)
+                self._buffers.clear()
+                self._graphs.clear()
+                self._captured = False
+                self.report = None
+                self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"this {self.phase} runner was closed; build a new GraphRunner")
+
+    def __enter__(self) -> GraphRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"GraphRunner(phase={self.phase!r}, backend={self.backend.name!r}, "
+            f"platform={self.platform.name!r}, sizes={list(self.schedule.token_sizes)}, "
+            f"captured={self._captured})"
+        )

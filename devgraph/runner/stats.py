@@ -1,0 +1,71 @@
+"""Run-time statistics of one runner: replays per key, eager steps by reason, padding waste, lazy cache.
+
+Counting is a few dict increments per step; :meth:`RunnerStats.as_dict` gives plain data for logs, JSON
+and the optional Prometheus collector (:mod:`devgraph.runner.metrics`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from devgraph.contract.keys import GraphKey
+from devgraph.runner.dispatch import EagerReason
+
+__all__ = ["RunnerStats"]
+
+
+@dataclass
+class RunnerStats:
+    """Counters since the runner was built (or :meth:`reset`)."""
+
+    replays: Counter[GraphKey] = field(default_factory=Counter)
+    eager: Counter[EagerReason] = field(default_factory=Counter)
+    real_rows: int = 0  # real tokens of replayed steps
+    padded_rows: int = 0  # padding tokens of replayed steps
+    lazy_hits: int = 0
+    lazy_misses: int = 0
+    lazy_evictions: int = 0
+    lazy_capture_seconds: float = 0.0
+    verify_calls: int = 0
+
+    def replayed(self, key: GraphKey, n: int) -> None:
+        self.replays[key] += 1
+        self.real_rows += n
+        self.padded_rows += key.tokens - n
+
+    def ran_eagerly(self, reason: EagerReason) -> None:
+        self.eager[reason] += 1
+
+    def reset(self) -> None:
+        fresh = RunnerStats()
+        self.__dict__.update(fresh.__dict__)
+
+    @property
+    def steps(self) -> int:
+        return sum(self.replays.values()) + sum(self.eager.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything as plain data: key strings and reason names as dict keys."""
+        replays = sum(self.replays.values())
+        eager = sum(self.eager.values())
+        return {
+            "steps": replays + eager,
+            "replays": replays,
+            "replays_by_key": {
+                str(k): v for k, v in sorted(self.replays.items(), key=lambda kv: kv[0].sort_key())
+            },
+            "eager": eager,
+            "eager_by_reason": {str(r): self.eager.get(r, 0) for r in EagerReason},
+            "real_rows": self.real_rows,
+            "padded_rows": self.padded_rows,
+            "padding_waste": self.padded_rows / self.real_rows if self.real_rows else 0.0,
+            "lazy": {
+                "hits": self.lazy_hits,
+                "misses": self.lazy_misses,
+                "evictions": self.lazy_evictions,
+                "capture_seconds": self.lazy_capture_seconds,
+            },
+            "verify_calls": self.verify_calls,
+        }

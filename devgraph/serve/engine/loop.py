@@ -1,0 +1,156 @@
+"""Running an :class:`~devgraph.serve.engine.Engine` in a thread of its own.
+
+Other threads (an HTTP server's event loop) call :meth:`EngineLoop.submit` and :meth:`EngineLoop.abort`;
+both only enqueue and return at once. The engine thread applies them between steps, runs steps while
+there is work, sleeps when there is none, and hands every :class:`RequestOutput` to the sink given at
+submission (called on the engine thread: a sink must be quick and thread-safe, e.g.
+``loop.call_soon_threadsafe``). All engine state is touched by the engine thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from devgraph.errors import DevGraphError
+from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.request import FinishReason, RequestOutput, SamplingParams
+
+__all__ = ["EngineClosed", "EngineLoop", "Sink"]
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+
+
+class EngineClosed(DevGraphError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class EngineLoop:
+    """Owns ``engine`` and one thread that steps it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._adds: list[tuple[str, list[int], SamplingParams, Sink]] = []
+        self._aborts: list[str] = []
+        self._sinks: dict[str, Sink] = {}
+        self._ids = itertools.count()
+        self._closing = False
+        self._stop = False
+        self._state_lock = threading.Lock()  # held while the engine thread touches engine state
+        self._thread = threading.Thread(target=self._main, name="devgraph-engine", daemon=True)
+
+    # -- any thread ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> str:
+        """Queue a request; returns its id. Raises InputError (bad request) or EngineClosed."""
+        tokens = self.engine.check_request(prompt, params)  # reads only immutable config
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the server is shutting down and takes no new requests")
+            request_id = f"cmpl-{next(self._ids)}"
+            self._adds.append((request_id, tokens, params, sink))
+            self._cond.notify()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._adds) + len(self._sinks)
+
+    def stats(self) -> dict[str, Any]:
+        """A consistent snapshot of :meth:`Engine.stats` (waits for the current step to end)."""
+        with self._state_lock:
+            stats = self.engine.stats()
+        stats["queued"] = len(self._adds)
+        return stats
+
+    def shutdown(self, drain_seconds: float = 0.0) -> None:
+        """Stop taking requests; let in-flight ones finish for up to ``drain_seconds``, abort the rest,
+        stop the thread."""
+        with self._cond:
+            self._closing = True
+        deadline = time.monotonic() + drain_seconds
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # -- the engine thread ---------------------------------------------------------------------------
+    def _main(self) -> None:
+        device = self.engine.model.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        while True:
+            with self._cond:
+                while not (self._adds or self._aborts or self._stop or self.engine.has_work):
+                    self._cond.wait()
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+                stop = self._stop
+            with self._state_lock:
+                self._apply(adds, aborts)
+                if stop:
+                    for request_id in list(self._sinks):
+                        self._deliver(self.engine.abort(request_id))
+                    return
+                self._step()
+
+    def _apply(self, adds: list[tuple[str, list[int], SamplingParams, Sink]], aborts: list[str]) -> None:
+        for request_id, tokens, params, sink in adds:
+            self._sinks[request_id] = sink
+            try:
+                self.engine.add_request(tokens, params, request_id)
+            except Exception as exc:  # checked at submit; a failure here is a bug, reported per request
+                logger.warning("adding request %s failed: %r", request_id, exc)
+                self._deliver(RequestOutput(request_id, [], True, FinishReason.ERROR, error=repr(exc)))
+        for request_id in aborts:
+            self._deliver(self.engine.abort(request_id))
+
+    def _step(self) -> None:
+        if not self.engine.has_work:
+            return
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # never let the thread die: fail what is in flight and go on
+            logger.exception("engine step failed")
+            outputs = []
+            for request_id in list(self._sinks):
+                aborted = self.engine.abort(request_id)
+                if aborted is not None:
+                    aborted.finish_reason, aborted.error = FinishReason.ERROR, repr(exc)
+                    outputs.append(aborted)
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput | None) -> None:
+        if output is None:
+            return
+        sink = (
+            self._sinks.pop(output.request_id, None)
+            if output.finished
+            else self._sinks.get(output.request_id)
+        )
+        if sink is None:
+            return
+        try:
+            sink(output)
+        except Exception:  # a closed event loop or a broken sink must not stop the engine
+            logger.exception("output sink for %s failed", output.request_id)

@@ -1,0 +1,166 @@
+"""A request's parameters, its state inside the engine, and what the engine hands back after each step."""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from devgraph.errors import InputError
+from devgraph.messages import shorten
+
+__all__ = [
+    "MAX_STOP_TOKEN_IDS",
+    "MIN_TEMPERATURE",
+    "MIN_TOP_P",
+    "FinishReason",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "Status",
+]
+
+#: The smallest non-zero temperature: logits divided by less overflow float32 (and sample like greedy).
+MIN_TEMPERATURE = 1e-4
+#: The smallest top_p: below it float32 rounds the kept mass to nothing (and it keeps one token anyway).
+MIN_TOP_P = 1e-4
+#: Stop token ids per request: every sampled token is checked against them.
+MAX_STOP_TOKEN_IDS = 64
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped (the OpenAI ``finish_reason`` values, plus ``abort`` and ``error``)."""
+
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    STOP = "stop"  # a stop token id was sampled (it is not part of the output)
+    ABORT = "abort"  # cancelled: the client went away, or the server shut down
+    ERROR = "error"  # the step that would have continued it raised
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens: greedy when ``temperature == 0``, else seeded temperature + top-p sampling.
+
+    ``temperature`` is 0 or from :data:`MIN_TEMPERATURE` to 100; ``top_p`` from :data:`MIN_TOP_P` to 1;
+    ``seed`` a non-negative int (or ``None``); at most :data:`MAX_STOP_TOKEN_IDS` stop token ids.
+
+    The same ``seed``, prompt and parameters give the same tokens whenever the model's logits are the
+    same (always in the engine's ``deterministic`` mode; see :class:`~devgraph.serve.engine.Engine`).
+    ``seed=None`` draws a fresh seed per request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InputError(f"max_tokens must be an int >= 1, got {shorten(self.max_tokens)}")
+        if not _real(self.temperature) or not (
+            self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 100
+        ):
+            raise InputError(
+                f"temperature must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} to 100, "
+                f"got {shorten(self.temperature)}"
+            )
+        if not _real(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+            raise InputError(f"top_p must be a number from {MIN_TOP_P:g} to 1, got {shorten(self.top_p)}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
+            # random.Random(seed) uses abs(seed): a negative seed would alias a positive one.
+            raise InputError(f"seed must be an int >= 0 (or null), got {shorten(self.seed)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InputError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids are accepted, got {len(self.stop_token_ids)}"
+            )
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise InputError(f"stop token ids must be ints, got {shorten(self.stop_token_ids)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class Request:
+    """One request's state. ``tokens`` (prompt + output) is every token known; the first
+    ``num_computed`` of them have keys and values in the cache. ``num_tokens - num_computed`` is what the
+    next step must compute: 1 while decoding, more while (re)filling the prompt."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int  # admission order: FCFS, and "newest" when choosing whom to preempt
+    arrival_time: float = field(default_factory=time.monotonic)
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    row: int | None = None  # block-table row while running
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    rng: random.Random | None = None
+    stop_ids: frozenset[int] = frozenset()  # the params' stop token ids, checked once per sampled token
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
+        if not self.params.greedy:
+            seed = self.params.seed if self.params.seed is not None else random.SystemRandom().getrandbits(64)
+            self.rng = random.Random(seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the next step must compute for this request to sample again."""
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[position] if position < n else self.output[position - n]
+
+    def tokens_from(self, start: int, count: int) -> list[int]:
+        n = len(self.prompt)
+        if start >= n:
+            return self.output[start - n : start - n + count]
+        if start + count <= n:
+            return self.prompt[start : start + count]
+        return self.prompt[start:] + self.output[: start + count - n]
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: its new token ids (empty on a finish without a token, such
+    as a stop token or an abort) and, on the last output, why it finished."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    ttft: float | None = None  # seconds from arrival to this (first) token
+    itl: float | None = None  # seconds since the request's previous token

@@ -1,0 +1,183 @@
+"""Continuous batching: which requests run in the next step, and how many tokens of each.
+
+Every step the scheduler, in this order:
+
+1. gives each running request that is decoding (one token left to compute) its token, taking a new
+   KV block when its sequence crosses a block boundary; when no block is free it preempts the newest
+   running request (frees its blocks and puts it back at the head of the queue: its prompt and output so
+   far are recomputed when it is readmitted), possibly the request itself;
+2. continues running requests that are still filling their prompt, oldest first, with chunks cut to the
+   step's token budget and to the blocks that are free (no preemption for a prefill chunk);
+3. admits waiting requests first come, first served, while fewer than ``max_running`` run, budget is
+   left and the first chunk's blocks are free; the head of the queue blocks the rest (no overtaking).
+
+In ``mixed`` mode decode tokens count against the token budget (they share one forward with the
+chunks); otherwise decodes run in a step of their own and the budget applies to chunks only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from devgraph.serve.engine.allocator import BlockAllocator, BlockTables
+from devgraph.serve.engine.request import Request, Status
+
+__all__ = ["Chunk", "Schedule", "Scheduler"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens ``start .. start + length - 1`` of ``request``; ``samples``: the step's logits for its last
+    token give the request's next token (the chunk reaches the end of the known tokens)."""
+
+    request: Request
+    start: int
+    length: int
+    samples: bool
+
+
+@dataclass
+class Schedule:
+    """One step's work: decode requests (one token each) and prefill chunks; requests preempted on the way."""
+
+    decodes: list[Request] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.chunks
+
+
+class Scheduler:
+    """FCFS admission, chunked prefill under a token budget, preemption by recomputation."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        tables: BlockTables,
+        *,
+        block_size: int,
+        max_running: int,
+        token_budget: int,
+        mixed: bool,
+    ) -> None:
+        self.allocator = allocator
+        self.tables = tables
+        self.block_size = block_size
+        self.max_running = max_running
+        self.token_budget = token_budget
+        self.mixed = mixed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out (finished or aborted) and free its blocks and table row."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- blocks --------------------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _grow(self, request: Request, tokens: int) -> bool:
+        """Give ``request`` blocks for its first ``tokens`` positions; False when not enough are free."""
+        extra = self.blocks_for(tokens) - len(request.blocks)
+        if extra <= 0:
+            return True
+        if extra > self.allocator.num_free:
+            return False
+        new = self.allocator.allocate(extra)
+        assert request.row is not None
+        self.tables.write(request.row, len(request.blocks), new)
+        request.blocks.extend(new)
+        return True
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.blocks)
+        request.blocks = []
+        if request.row is not None:
+            self.tables.release(request.row)
+            request.row = None
+
+    def _preempt(self, victim: Request, schedule: Schedule) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        victim.num_computed = 0
+        victim.preemptions += 1
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+        schedule.preempted.append(victim)
+        self.preemptions += 1
+
+    # -- the step ------------------------------------------------------------------------------------
+    def schedule(self) -> Schedule:
+        schedule = Schedule()
+        budget = self.token_budget
+        for request in [r for r in self.running if r.remaining == 1]:
+            if request.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            while not self._grow(request, request.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim, schedule)
+                if victim is request:
+                    break
+            if request.status is Status.RUNNING:
+                schedule.decodes.append(request)
+                budget -= 1 if self.mixed else 0
+        for request in self.running:
+            if request.remaining > 1 and budget > 0:
+                budget -= self._add_chunk(request, budget, schedule)
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
+            request = self.waiting[0]
+            if self.allocator.num_free < 1:
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            request.row = self.tables.acquire()
+            self.running.append(request)
+            taken = self._add_chunk(request, budget, schedule)
+            if not taken:  # not even one block's worth: undo and wait for blocks
+                self.running.remove(request)
+                self._release(request)
+                request.status = Status.WAITING
+                self.waiting.appendleft(request)
+                break
+            budget -= taken
+        if schedule.empty and self.running:
+            # Every running request is mid-prompt and no block is free: recompute the newest later.
+            self._preempt(self.running[-1], schedule)
+            return self._merge(schedule, self.schedule())
+        return schedule
+
+    def _add_chunk(self, request: Request, budget: int, schedule: Schedule) -> int:
+        """Schedule the largest chunk of ``request``'s remaining tokens that fits ``budget`` and the free
+        blocks; returns its length (0: nothing fits)."""
+        start = request.num_computed
+        length = min(request.remaining, budget)
+        room = (len(request.blocks) + self.allocator.num_free) * self.block_size - start
+        length = min(length, room)
+        if length <= 0 or not self._grow(request, start + length):
+            return 0
+        schedule.chunks.append(Chunk(request, start, length, start + length == request.num_tokens))
+        return length
+
+    @staticmethod
+    def _merge(first: Schedule, second: Schedule) -> Schedule:
+        second.preempted[:0] = first.preempted
+        return second

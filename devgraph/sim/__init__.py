@@ -1,8 +1,0 @@
-"""CPU simulated device graphs: a real capture/replay on the CPU, so graph strategies run in CPU-only CI."""
-
-from __future__ import annotations
-
-from devgraph.sim.graph import SimGraph, SimPool
-from devgraph.sim.platform import CpuSimPlatform
-
-__all__ = ["SimGraph", "SimPool", "CpuSimPlatform"]
