@@ -58,6 +58,7 @@ class RunnerGraphs:
         self._buffers = buffers
         self._layout = layout
         self.reports: dict[GraphKey, KeyReport] = {}
+        self.notes: list[str] = []
         self.lazy = LazyGraphs(
             plan.capture.lazy_policy,
             stats,
@@ -81,6 +82,7 @@ class RunnerGraphs:
             start = time.perf_counter()
             report.keys = self.capture(keys, collect=True)
             report.seconds = time.perf_counter() - start
+            report.notes = [*self.notes, *backend.capture_notes()]
             if rank_of(plan.process_group) == 0:  # one report per tensor-parallel group
                 logger.info("%s", report.table())
         return report

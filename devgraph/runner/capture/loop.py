@@ -66,6 +66,8 @@ class CaptureReport:
     platform: str
     keys: list[KeyReport] = field(default_factory=list)
     seconds: float = 0.0
+    #: What the capture did differently from the plan, and why (a compile per size, undeclared state).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def sizes(self) -> list[KeyReport]:
@@ -84,6 +86,7 @@ class CaptureReport:
         lines += [
             f"  {str(k.key):<28} {k.seconds * 1e3:9.1f} ms  {k.bytes / 2**20:9.2f} MiB" for k in self.keys
         ]
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
