@@ -140,8 +140,7 @@ class GraphRunner:
             # Graphs of an earlier owner that was dropped without close(): they read its buffers, not ours.
             logger.info("devgraph: releasing graphs a previous runner left in its %s backend", backend.name)
             backend.cleanup()
-        graph_forward = self._graph_forward = backend.wrap_forward(forward)
-        self._graphs = RunnerGraphs(plan, backend, graph_forward, self._buffers, self._layout, self._stats)
+        self._graphs = RunnerGraphs(plan, backend, forward, self._buffers, self._layout, self._stats)
         track_runner(self, plan.process_group)  # devgraph.ranks.destroy_process_group() closes it first
 
     # -- what the plan resolved (runner.plan has it all) --------------------------------------------
@@ -346,7 +345,7 @@ class GraphRunner:
                     restore()
                     self._buffers.stage(step.counts, key, inputs)
                     with forward_context(context), torch.no_grad():
-                        raw = self._graph_forward(**self._buffers.views(key), **chosen)
+                        raw = self._graphs.forward(**self._buffers.views(key), **chosen)
                     padded = copy_tree(self._layout.slice(raw, step.counts, key, replay=False))
             return compare(step.n, key, graph, padded, unpadded, rtol)
 

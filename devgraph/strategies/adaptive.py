@@ -87,6 +87,8 @@ def compile_error_kind(exc: BaseException) -> str | None:
         return "data_dependent"
     if "FailOnRecompileLimitHit" in names or "recompile_limit" in text or "cache_size_limit" in text:
         return "recompile_limit"
+    if type(chain[-1]).__module__ == "builtins":
+        return "trace"  # the forward raised while dynamo ran it on example tensors
     if "BackendCompilerFailed" in names:
         return "compiler"
     if "Unsupported" in names:
@@ -101,7 +103,20 @@ def _cause(kind: str, exc: BaseException) -> str:
             f"dynamo compiled the forward again for each size until its recompile limit ({limit}): it "
             "specialises on the batch size"
         )
-    return first_line(exc)
+    return _message(exc)
+
+
+def _message(exc: BaseException) -> str:
+    """The first line of the innermost error when that is an ordinary Python one (what the forward raised
+    under dynamo), else of ``exc``."""
+    innermost = _chain(exc)[-1]
+    return first_line(innermost if type(innermost).__module__ == "builtins" else exc)
+
+
+def _unmarked(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and hasattr(value, "_dynamo_weak_dynamic_indices"):
+        return value.detach()
+    return value
 
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
@@ -141,6 +156,7 @@ class AdaptiveCompile:
         self.dynamic_args = dynamic_args
         self._dynamic = torch.compile(trampoline(fn), backend=backend, dynamic=None, fullgraph=True)
         self._static: dict[Hashable, Callable[..., Any]] = {}
+        self._served: set[Hashable] = set()
         #: Why the dynamic compile was given up (``None``: it serves every shape).
         self.fallback_cause: str | None = None
         self.fallback_kind: str | None = None
@@ -156,10 +172,11 @@ class AdaptiveCompile:
         return len(self._static)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fallback_cause is None:
+        signature = _signature(args, kwargs)
+        if self.fallback_cause is None or signature in self._served:
             start = time.perf_counter()
             try:
-                return self._run(self._dynamic, args, kwargs, dynamic=True)
+                result = self._run(self._dynamic, args, kwargs, dynamic=True)
             except Exception as exc:
                 kind = compile_error_kind(exc)
                 if kind is None:
@@ -175,10 +192,14 @@ class AdaptiveCompile:
                     self.fallback_cause,
                     MAX_STATIC_COMPILES,
                 )
-        return self._call_static(args, kwargs)
+            else:
+                # Shapes the dynamic compile served before it failed on another keep using it (graphs
+                # captured from it already run that code).
+                self._served.add(signature)
+                return result
+        return self._call_static(signature, args, kwargs)
 
-    def _call_static(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        signature = _signature(args, kwargs)
+    def _call_static(self, signature: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         compiled = self._static.get(signature)
         if compiled is not None:
             return self._run(compiled, args, kwargs, dynamic=False)
@@ -214,6 +235,11 @@ class AdaptiveCompile:
             for value in (*marked, *extra):
                 if isinstance(value, torch.Tensor) and value.dim():
                     torch._dynamo.maybe_mark_dynamic(value, 0)
+        else:
+            # Aliases without the marks a dynamic attempt may have left on these very tensors (the retry of
+            # a failed call), which would make this compile dynamic again; they share the storage.
+            args = tuple(_unmarked(a) for a in args)
+            kwargs = {k: _unmarked(v) for k, v in kwargs.items()}
         # backed_size_oblivious: a size of 1 gets no specialised second compile; no duck shaping: a size
         # equal to a weight's width gets no guard of its own. Python floats of the model (an RMSNorm eps)
         # stay constants: as graph inputs they would reach ops that take a float through a host read.
@@ -265,9 +291,9 @@ _ADVICE = {
         "on fixed (TORCH_LOGS=recompiles shows the guard), or drop the 'compiler' option"
     ),
     "trace": (
-        "torch.compile could not trace the forward: run torch.compile(forward, fullgraph=True) on one "
-        "size to see the error, move the offending code into a @devgraph.graph_break op, or drop the "
-        "'compiler' option"
+        "dynamo could not run the forward on example tensors of this size: run the forward eagerly on "
+        "these shapes to see whether it fails there too (then the forward itself is wrong), else move the "
+        "offending code into a @devgraph.graph_break op or drop the 'compiler' option"
     ),
 }
 
@@ -282,8 +308,10 @@ class StaticCompileError(CaptureError):
         # An error of devgraph's own raised while tracing (a break op's fake, say) already says what to do.
         own = [e for e in _chain(exc) if isinstance(e, DevGraphError) and not isinstance(e, CaptureError)]
         self.advice = str(own[-1]) if own else _ADVICE[kind]
+        static = _message(exc)
+        again = "the same error" if static == dynamic_cause else f"{kind}: {static}"
         super().__init__(
             f"torch.compile cannot compile the forward of {what}: one compile across sizes failed "
             f"({dynamic_kind}: {dynamic_cause}) and so did a compile of this size with static shapes "
-            f"({kind}: {first_line(exc)}); {self.advice}"
+            f"({again}); {self.advice}"
         )
