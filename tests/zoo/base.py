@@ -35,7 +35,7 @@ class Shape:
 CPU_TINY = Shape(
     layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, intermediate=64, vocab=96, max_batch=4, max_len=32
 )
-#: Qwen3-0.6B's widths: 28 layers, hidden 1024, 16 query / 8 key-value heads of 128, SwiGLU 3072, vocab 151936.
+#: Qwen3-0.6B's widths: 28 layers, hidden 1024, 16 query / 8 key-value heads of 128, MLP 3072, vocab 151936.
 QWEN3_06B_LIKE = Shape(
     layers=28,
     hidden=1024,
