@@ -117,13 +117,19 @@ def init_(module: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(values.to(p.dtype))
 
 
+def row_positions(n: int, max_len: int) -> torch.Tensor:
+    """Each row's position, the same for a row in every step: rows at different lengths (continuous
+    batching), and a step writes only where every step writing that row writes, so no step reads what
+    another step wrote (each step's output is a function of its own inputs, whatever ran before)."""
+    return 1 + (7 + 13 * torch.arange(n)) % (max_len - 1)
+
+
 def decode_step(shape: Shape, vocab: int, device: Any) -> Callable[[int, int], dict[str, torch.Tensor]]:
-    """Token ids and per-row positions (rows at different lengths, as in continuous batching)."""
+    """Token ids (seeded) and per-row positions."""
 
     def make(n: int, seed: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (n,), generator=generator)
-        positions = torch.randint(0, shape.max_len, (n,), generator=generator)
-        return {"input_ids": ids.to(device), "positions": positions.to(device)}
+        return {"input_ids": ids.to(device), "positions": row_positions(n, shape.max_len).to(device)}
 
     return make

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from devgraph import StaticInput
-from zoo.base import Shape, ZooModel, apply_rope, init_, rms_norm, rope_tables
+from zoo.base import Shape, ZooModel, apply_rope, init_, rms_norm, rope_tables, row_positions
 
 
 class KVCache(nn.Module):
@@ -133,7 +133,7 @@ def build_gptfast(shape: Shape, device: str, dtype: torch.dtype) -> ZooModel:
         generator = torch.Generator().manual_seed(seed)
         return {
             "idx": torch.randint(0, shape.vocab, (n,), generator=generator).to(device),
-            "input_pos": torch.randint(0, shape.max_len, (n,), generator=generator).to(device),
+            "input_pos": row_positions(n, shape.max_len).to(device),
         }
 
     element = torch.empty((), dtype=dtype).element_size()

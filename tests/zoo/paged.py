@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from devgraph import StaticInput, graph_break
-from zoo.base import Shape, ZooModel, apply_rope, init_, rms_norm, rope_tables
+from zoo.base import Shape, ZooModel, apply_rope, init_, rms_norm, rope_tables, row_positions
 
 BLOCK = 16
 
@@ -116,7 +116,7 @@ def build_paged(shape: Shape, device: str, dtype: torch.dtype) -> ZooModel:
 
     def make_step(n: int, seed: int) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
-        positions = torch.randint(0, shape.max_len, (n,), generator=generator)
+        positions = row_positions(n, shape.max_len)
         tables = 1 + torch.arange(n)[:, None] * per_row + torch.arange(per_row)[None, :]
         slots = tables[torch.arange(n), positions // BLOCK] * BLOCK + positions % BLOCK
         step = {
