@@ -5,8 +5,8 @@ cause. Never a silent difference.
 
 Cost: ``full`` and ``breakable`` of every model run by default (seconds); ``tc_piecewise`` (dynamo traces
 each model) and ``full`` + inductor are marked ``slow``. Inductor runs on the ``plain`` decoder (the
-pattern compiled ``full`` once failed on) by default; ``DEVGRAPH_ZOO=all`` runs it on every model (minutes
-on two cores; the GPU benchmark ``benchmarks/bench_zoo.py`` runs compiled ``full`` on every model too).
+pattern compiled ``full`` once failed on) by default; ``DEVGRAPH_INDUCTOR_ALL=1`` runs it on every model
+(minutes on two cores; the GPU benchmark ``benchmarks/bench_zoo.py`` runs compiled ``full`` on every model).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from devgraph import CaptureError, GraphRunner
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 SIZES = [1, 2, 4]
-INDUCTOR_ALL = os.environ.get("DEVGRAPH_ZOO") == "all"
+INDUCTOR_ALL = os.environ.get("DEVGRAPH_INDUCTOR_ALL") == "1"
 
 
 def _param(name: str, *marks: pytest.MarkDecorator) -> object:
@@ -75,7 +75,7 @@ def test_zoo_model_under_tc_piecewise(name):
         _param(n)
         if n == "plain" or INDUCTOR_ALL
         else _param(
-            n, pytest.mark.skip(reason="inductor on the CPU takes minutes per model: DEVGRAPH_ZOO=all")
+            n, pytest.mark.skip(reason="inductor on the CPU takes minutes per model: DEVGRAPH_INDUCTOR_ALL=1")
         )
         for n in NAMES
     ],
