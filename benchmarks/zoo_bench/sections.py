@@ -58,15 +58,7 @@ def model_section(name: str, plan: Plan, dev: Device, report: Report, bandwidth:
     reference = _reference(built)
     for variant in variants:
         entry["variants"][variant.name]["diff"] = check(variant, list(built.cases), reference, built.reset)
-    timed = time_variants(
-        variants,
-        list(built.cases),
-        dev,
-        built.reset,
-        iters=plan.iters,
-        rounds=plan.rounds,
-        on_error=lambda what, exc: report.error(f"{name} {what}", exc),
-    )
+    timed = time_variants(name, variants, built, plan, dev, report)
     for variant in variants:
         entry["variants"][variant.name]["cases"] = timed.get(variant.name, {})
         for case, row in entry["variants"][variant.name]["cases"].items():
@@ -96,15 +88,7 @@ def ro_section(name: str, plan: Plan, dev: Device, report: Report) -> dict[str, 
     except Exception as exc:
         report.error(f"{name} reduce_overhead", exc)
         entry["variants"]["reduce_overhead"] = {"error": f"{type(exc).__name__}: {exc}"[:1500]}
-    timed = time_variants(
-        variants,
-        list(built.cases),
-        dev,
-        built.reset,
-        iters=plan.iters,
-        rounds=plan.rounds,
-        on_error=lambda what, exc: report.error(f"{name} {what}", exc),
-    )
+    timed = time_variants(name, variants, built, plan, dev, report)
     entry["eager_in_child"] = timed.get("eager", {})
     if "reduce_overhead" in timed:
         entry["variants"]["reduce_overhead"]["cases"] = timed["reduce_overhead"]

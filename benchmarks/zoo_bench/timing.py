@@ -1,16 +1,18 @@
-"""Interleaved timing with a reset before every step outside the timed region (a Hugging Face cache's write
-position goes back, so each timed step is the same step), and correctness against eager on the same case."""
+"""Correctness against eager on the same case, and timing (``harness.timing.time_cases``) with a reset
+before every step outside the timed region (a Hugging Face cache's write position goes back, so each timed
+step is the same step)."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from harness.device import Device
-from harness.report import diff
-from harness.timing import Variant
+from harness.report import Report, diff
+from harness.timing import Variant, time_cases
+
+from zoo_bench.setup import Built, Plan
 
 __all__ = ["check", "time_variants"]
 
@@ -39,44 +41,16 @@ def check(
 
 
 def time_variants(
-    variants: Sequence[Variant],
-    cases: Sequence[str],
-    dev: Device,
-    reset: Callable[[], None],
-    *,
-    iters: int,
-    rounds: int,
-    on_error: Callable[[str, BaseException], None],
+    name: str, variants: Sequence[Variant], built: Built, plan: Plan, dev: Device, report: Report
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """``result[variant][case]``: median latency and host ms; variants take turns in ``rounds``."""
-    out: dict[str, dict[str, dict[str, float]]] = {v.name: {} for v in variants}
-    per_round = max(1, iters // rounds)
-    for case in cases:
-        alive = []
-        for v in variants:
-            try:
-                for _ in range(2):
-                    reset()
-                    v.step(case)
-                alive.append(v)
-            except Exception as exc:
-                on_error(f"{v.name} at {case}", exc)
-        samples: dict[str, list[tuple[float, float]]] = {v.name: [] for v in alive}
-        for _ in range(rounds):
-            for v in list(alive):
-                try:
-                    for _ in range(per_round):
-                        reset()
-                        samples[v.name].append(dev.time_step(lambda v=v, case=case: v.step(case)))
-                except Exception as exc:
-                    on_error(f"{v.name} at {case}", exc)
-                    alive.remove(v)
-        for v in alive:
-            ms = [s[0] for s in samples[v.name]]
-            out[v.name][case] = {
-                "ms": round(statistics.median(ms), 4),
-                "host_ms": round(statistics.median(s[1] for s in samples[v.name]), 4),
-                "min_ms": round(min(ms), 4),
-                "steps": len(ms),
-            }
-    return out
+    """``result[variant][case]``: median latency and host ms, the variants interleaved in rounds."""
+    return time_cases(
+        variants,
+        list(built.cases),
+        dev,
+        iters=plan.iters,
+        rounds=plan.rounds,
+        on_error=lambda what, exc: report.error(f"{name} {what}", exc),
+        warm_steps=2,
+        before_step=built.reset,
+    )
