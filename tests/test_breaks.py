@@ -194,5 +194,6 @@ def test_a_list_result_asks_for_fake_when_compiled():
         return [x[: x.shape[0] // 2].clone(), x[x.shape[0] // 2 :].clone()]
 
     runner = runner_for(lambda x: halves(x)[0].sum() + x, "tc_piecewise")
-    with pytest.raises(CaptureError, match="returns List\\[Tensor\\]: torch.compile cannot guess"):
+    with pytest.raises(CaptureError, match="returns List\\[Tensor\\]: torch.compile cannot guess") as caught:
         runner.capture()
+    assert caught.value.cause == "break_op_fake"

@@ -308,6 +308,8 @@ class StaticCompileError(CaptureError):
         # An error of devgraph's own raised while tracing (a break op's fake, say) already says what to do.
         own = [e for e in _chain(exc) if isinstance(e, DevGraphError) and not isinstance(e, CaptureError)]
         self.advice = str(own[-1]) if own else _ADVICE[kind]
+        #: The capture advice's name for the cause (a break op's fake is fixed in the op, not the compile).
+        self.cause = "break_op_fake" if own and "fake=" in self.advice else "torch_compile"
         static = _message(exc)
         again = "the same error" if static == dynamic_cause else f"{kind}: {static}"
         super().__init__(

@@ -150,7 +150,7 @@ def diagnose(exc: BaseException, *, phase: str, max_size: int, backend: str = ""
     while current is not None and id(current) not in seen:  # look through wrapped errors too
         seen.add(id(current))
         if isinstance(current, StaticCompileError):  # no compile can run it: the advice follows the cause
-            return Cause("torch_compile", current.advice)
+            return Cause(current.cause, current.advice)
         for name, matches, advice in _TABLE:
             if matches(current):
                 if isinstance(advice, str):
