@@ -200,8 +200,8 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
         pytest.param(
             "inductor",
             marks=pytest.mark.skipif(
-                os.environ.get("DEVGRAPH_INDUCTOR_ALL") != "1",
-                reason="inductor on two CPU ranks takes minutes: DEVGRAPH_INDUCTOR_ALL=1",
+                os.environ.get("DEVGRAPH_FULL_MATRIX") != "1",
+                reason="inductor on two CPU ranks takes minutes: DEVGRAPH_FULL_MATRIX=1",
             ),
         ),
     ],

@@ -111,7 +111,8 @@ def test_no_warm_ups_no_probe(caplog):
     assert not caplog.records
 
 
-def test_hugging_face_static_cache_write_position(caplog):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_hugging_face_static_cache_write_position(caplog, device):
     tf = pytest.importorskip("transformers")
     from devgraph.integrations.hf.cache import SharedStaticCache
     from devgraph.integrations.hf.features import find_features
@@ -127,9 +128,9 @@ def test_hugging_face_static_cache_write_position(caplog):
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config).eval()
+    model = tf.LlamaForCausalLM(config).to(device).eval()
     cache = SharedStaticCache(model, 4, 16)
-    mask = torch.ones(4, 16, dtype=torch.bool)
+    mask = torch.ones(4, 16, dtype=torch.bool, device=device)
     argument = find_features(model).cache_argument  # the forward's name for the cache in this release
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -141,14 +142,15 @@ def test_hugging_face_static_cache_write_position(caplog):
 
     inputs = {"input_ids": StaticInput(torch.long, (1,)), "position_ids": StaticInput(torch.long, (1,))}
     with caplog.at_level(logging.WARNING, logger="devgraph.runner.capture.undeclared"):
-        found = GraphRunner(forward, phase="decode", inputs=inputs, device="cpu", sizes=[1, 2], mode="full")
+        found = GraphRunner(forward, phase="decode", inputs=inputs, device=device, sizes=[1, 2], mode="full")
         found.capture()
-    assert "0-d torch.int64 tensor on cpu (cache.full.layers[0].cumulative_length)" in caplog.text
+    assert f"0-d torch.int64 tensor on {device}" in caplog.text
+    assert "(cache.full.layers[0].cumulative_length)" in caplog.text
     auto = GraphRunner(
-        forward, phase="decode", inputs=inputs, device="cpu", sizes=[1, 2], mode="full", state="auto"
+        forward, phase="decode", inputs=inputs, device=device, sizes=[1, 2], mode="full", state="auto"
     )
     cache.rewind()
     auto.capture()
-    ids = torch.tensor([[3], [5]])
-    assert auto.verify(input_ids=ids, position_ids=torch.zeros(2, 1, dtype=torch.long)).ok
+    ids = torch.tensor([[3], [5]], device=device)
+    assert auto.verify(input_ids=ids, position_ids=torch.zeros(2, 1, dtype=torch.long, device=device)).ok
     assert cache.position() == 0

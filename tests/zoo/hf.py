@@ -64,6 +64,15 @@ def _config(name: str, shape: Shape) -> Any:
     raise KeyError(name)
 
 
+def batched_experts() -> bool:
+    """Whether this transformers routes Mixtral's experts without a host sync (``batched_mm``)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return False
+    return "batched_mm" in getattr(getattr(moe, "ExpertsInterface", None), "_global_mapping", {})
+
+
 def build_hf(
     name: str, shape: Shape, device: str, dtype: torch.dtype, experts: str = "batched_mm"
 ) -> ZooModel:
