@@ -25,7 +25,8 @@ def build_bert(shape: Shape, device: str, dtype: torch.dtype) -> ZooModel:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = tf.BertModel(config, add_pooling_layer=False).to(device=device, dtype=dtype).eval()
+    with torch.device(device):
+        model = tf.BertModel(config, add_pooling_layer=False).to(dtype=dtype).eval()
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # The additive 4-D mask, built here: given the 2-D one, transformers checks on the host whether any

@@ -86,7 +86,8 @@ def build_hf(
     if name == "mixtral":
         config._experts_implementation = experts
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    with torch.device(device):  # initialised where it runs: a real-size vocabulary is slow to fill on a CPU
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     cache = SharedStaticCache(model, shape.max_batch, shape.max_len)
     argument = find_features(model).cache_argument
     mask = torch.ones(shape.max_batch, shape.max_len, dtype=torch.bool, device=device)

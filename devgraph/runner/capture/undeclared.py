@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: Storages larger than this are not compared (a KV cache); the state that advances is small.
 PROBED_BYTES = 1 << 20
+#: At most this many bytes are saved in all (a forward writing thousands of small buffers).
+PROBED_TOTAL_BYTES = 64 << 20
 
 
 def _ptr(tensor: torch.Tensor) -> int:
@@ -74,6 +76,7 @@ class _WriteRecorder(TorchDispatchMode):
         self.allocated: set[int] = set()
         self.before: dict[int, torch.Tensor] = {}  # storage -> its bytes before the first write
         self.example: dict[int, torch.Tensor] = {}  # storage -> a tensor written into it
+        self.saved = 0
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -88,8 +91,10 @@ class _WriteRecorder(TorchDispatchMode):
             if not ptr or ptr in self.known or ptr in self.allocated or ptr in self.example:
                 continue
             self.example[ptr] = tensor
-            if tensor.untyped_storage().nbytes() <= PROBED_BYTES:
+            nbytes = tensor.untyped_storage().nbytes()
+            if nbytes <= PROBED_BYTES and self.saved + nbytes <= PROBED_TOTAL_BYTES:
                 self.before[ptr] = _bytes_of(tensor).clone()
+                self.saved += nbytes
         out = func(*args, **kwargs)
         inputs = {_ptr(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for tensor in tree_leaves(out):
