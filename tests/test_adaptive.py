@@ -72,10 +72,13 @@ def test_a_forward_no_compile_can_trace_is_refused_naming_both_causes():
     assert not runner.keys  # nothing half-captured stays
 
 
-def test_a_branch_on_a_tensor_value_is_refused_with_advice_about_the_value(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+def test_a_branch_on_a_tensor_value_is_refused_with_advice_about_the_value():
     runner = compiled("full", reads_a_value, sizes=[1, 2])
-    with pytest.raises(CaptureError, match="data-dependent") as caught:
+    # .item() traced into the graph (a user's config): dynamo then meets the branch on its value
+    with (
+        torch._dynamo.config.patch(capture_scalar_outputs=True),
+        pytest.raises(CaptureError, match="data-dependent") as caught,
+    ):
         runner.capture()
     assert "decides a shape or a branch from a value read out of a tensor" in str(caught.value)
 
