@@ -216,7 +216,10 @@ def _warm_up(job: CaptureJob, key: GraphKey) -> None:
         for _ in range(runs):
             run()
         return
-    probe.first_run(job.inputs_for(key), job.static())
+    if not probe.first_run(job.inputs_for(key), job.static()):
+        for _ in range(runs):
+            run()
+        return
     job.notes.extend(probe.second_run(run, extra=runs == 1))
     for _ in range(runs - 2):
         run()

@@ -191,18 +191,27 @@ class StateProbe:
         when save/restore hooks hold state the probe cannot see)."""
         return not self.done and warmup_iters > 0 and not self.state.hooks
 
-    def first_run(self, inputs: Mapping[str, Any], static: Iterable[torch.Tensor]) -> None:
+    def first_run(self, inputs: Mapping[str, Any], static: Iterable[torch.Tensor]) -> bool:
         """The first warm-up: the plain forward (dynamo compiles nothing under a dispatch mode) under the
-        write recorder."""
+        write recorder. ``False``: the forward compiles code of its own that this torch will not run under
+        a dispatch mode (nothing is probed; the warm-ups go on as usual)."""
         self.done = True
         self._known = {_ptr(t) for t in (*static, *self.state.tensors.values())}
         self._declared = self.state.save()
         self._recorder = _WriteRecorder(self._known)
-        with self._recorder:
-            self.forward(**inputs)
+        try:
+            with self._recorder:
+                self.forward(**inputs)
+        except Exception as exc:
+            if "dispatch mode" not in str(exc) and "no compiled frames" not in str(exc):
+                raise
+            logger.info("devgraph: state not probed: the forward's own compiled code refuses a dispatch mode")
+            self.state.restore(self._declared)
+            return False
         examples = self._recorder.example
         self._after_first = {ptr: _bytes_of(examples[ptr]).clone() for ptr in self._recorder.before}
         self.state.restore(self._declared)  # the second run starts where the first did, but for what moved
+        return True
 
     def second_run(self, run: Callable[[], Any], extra: bool) -> list[str]:
         """The second warm-up on the same inputs; returns the report's notes. ``extra``: the runner asked for
