@@ -24,7 +24,8 @@ from torch import nn
 from devgraph.errors import ConfigError
 from devgraph.reference.attention import PagedMetadata
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, rope_tables, rotate
+from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, decoder_rope_tables
+from devgraph.reference.rope import apply_rope
 from devgraph.reference.tp.comm import TPComm
 
 __all__ = ["TPDecoderLayer", "TPReferenceModel"]
@@ -96,8 +97,8 @@ class TPDecoderLayer(DecoderLayer):
         n = hidden.shape[0]
         # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
         qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
-        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
+        q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         attn = self.attend(q, k, v, meta)
         hidden = hidden + self.comm.all_reduce(F.linear(attn.reshape(n, -1), self.o_proj))
         gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
@@ -142,6 +143,14 @@ class TPReferenceModel(ReferenceModel):
                 f"tensor parallelism over {size} ranks needs {', '.join(bad)} divisible by {size}; "
                 "pick a tensor-parallel size that divides them"
             )
+        features = [name for name in ("qkv_bias", "qk_norm") if getattr(config, name)]
+        features += [] if config.tie_embeddings else ["tie_embeddings=False"]
+        if features:
+            raise ConfigError(
+                f"the tensor-parallel reference model does not shard {', '.join(features)}; "
+                "run such a model on one device"
+            )
+        self.lm_head = None
         draw = _drawer(seed, device, exact_weights)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
         self.embed = nn.Parameter(embed.to(device=device, dtype=config.dtype), requires_grad=False)
@@ -149,7 +158,7 @@ class TPReferenceModel(ReferenceModel):
             TPDecoderLayer(config, draw, self.comm, device) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=config.dtype)
-        cos, sin = rope_tables(config, device)
+        cos, sin = decoder_rope_tables(config, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
