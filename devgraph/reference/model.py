@@ -12,7 +12,8 @@ from torch import nn
 from devgraph.errors import ConfigError
 from devgraph.reference.attention import PagedMetadata, paged_attention, sdpa_attention
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.rope import apply_rope, rope_tables
+from devgraph.reference.fused import add_rms_norm, fused_kernels, qk_norm_rope, rms_norm, silu_mul
+from devgraph.reference.rope import rope_tables
 
 __all__ = [
     "ReferenceModel",
@@ -60,16 +61,21 @@ class RMSNorm(nn.Module):
     norms applied to several heads at once (each head its own row of scale)."""
 
     def __init__(
-        self, shape: int | tuple[int, ...], eps: float, *, device: torch.device, dtype: torch.dtype
+        self,
+        shape: int | tuple[int, ...],
+        eps: float,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused  # one Triton kernel (devgraph.reference.fused) for [N, H] inputs
         self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.fused and x.dim() == 2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,8 +98,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: GQA attention over this layer's paged KV cache, then a SwiGLU MLP.
 
     Queries and keys are one slice of the fused projection (``[N, H + KVH, D]``), normed per head
-    (``qk_norm``) and rotated together: one set of elementwise kernels for both. ``generator=None`` leaves
-    the projections unwritten for a loader (see :func:`draw_weight`).
+    (``qk_norm``) and rotated together: one set of elementwise kernels for both (one Triton kernel on a
+    GPU: :mod:`devgraph.reference.fused`). ``generator=None`` leaves the projections unwritten for a
+    loader (see :func:`draw_weight`).
     """
 
     k_cache: torch.Tensor
@@ -108,7 +115,9 @@ class DecoderLayer(nn.Module):
         self.attention, self.kernels = c.attention, c.kernels
         self.scale = c.head_dim**-0.5
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
+        self.fused = fused_kernels(c.kernels, device)
+        self.rms_eps = c.rms_eps
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
         # Fused q/k/v and gate/up projections: fewer kernels per step, as in production engines.
         self.qkv_proj = draw_weight(
             generator, (q_size + 2 * kv_size, c.hidden_size), c.hidden_size, device, dt
@@ -155,13 +164,13 @@ class DecoderLayer(nn.Module):
         # and viewing each part makes inductor's view lowering guard on n > 1: a second compile for n = 1.)
         qkv = F.linear(self.input_norm(hidden), self.qkv_proj, self.qkv_bias).view(n, -1, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
-        q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        attn = self.attend(q, k, v, meta)
-        hidden = hidden + F.linear(attn.reshape(n, -1), self.o_proj)
-        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        scale = None if self.qk_norm is None else self.qk_norm.weight
+        qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        attn = F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj)
+        normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
+        mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
+        return hidden + F.linear(mlp, self.down_proj)
 
 
 class ReferenceModel(nn.Module):
@@ -208,7 +217,8 @@ class ReferenceModel(nn.Module):
         shape, dtype = (config.vocab_size, config.hidden_size), config.dtype
         self.embed = draw_weight(generator, shape, config.hidden_size, device, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, generator, device) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=dtype)
+        fused = fused_kernels(config.kernels, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=dtype, fused=fused)
         self.lm_head = (
             None
             if config.tie_embeddings
@@ -254,8 +264,8 @@ class ReferenceModel(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden_size]`` of a step's tokens."""
         hidden = F.embedding(input_ids, self.embed)
-        cos = self.rope_cos.index_select(0, positions)[:, None]  # [T, 1, D/2]
-        sin = self.rope_sin.index_select(0, positions)[:, None]
+        cos = self.rope_cos.index_select(0, positions)  # [T, D/2], the model's dtype
+        sin = self.rope_sin.index_select(0, positions)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, meta)
         return self.norm(hidden)

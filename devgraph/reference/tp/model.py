@@ -24,8 +24,8 @@ from torch import nn
 from devgraph.errors import ConfigError
 from devgraph.reference.attention import PagedMetadata
 from devgraph.reference.config import ReferenceConfig
+from devgraph.reference.fused import add_rms_norm, fused_kernels, qk_norm_rope, silu_mul
 from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, decoder_rope_tables
-from devgraph.reference.rope import apply_rope
 from devgraph.reference.tp.comm import TPComm
 
 __all__ = ["TPDecoderLayer", "TPReferenceModel"]
@@ -68,7 +68,10 @@ class TPDecoderLayer(DecoderLayer):
         q_full, kv_full = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q_size, kv_size = q_full // size, kv_full // size
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
+        self.fused = fused_kernels(c.kernels, device)
+        self.rms_eps = c.rms_eps
+        self.qk_norm = None
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
 
         def keep(weight: torch.Tensor) -> nn.Parameter:
@@ -98,11 +101,12 @@ class TPDecoderLayer(DecoderLayer):
         # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
         qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        attn = self.attend(q, k, v, meta)
-        hidden = hidden + self.comm.all_reduce(F.linear(attn.reshape(n, -1), self.o_proj))
-        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + self.comm.all_reduce(F.linear(F.silu(gate) * up, self.down_proj))
+        qk = qk_norm_rope(qk, None, cos, sin, self.rms_eps, self.fused)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        attn = self.comm.all_reduce(F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj))
+        normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
+        mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
+        return hidden + self.comm.all_reduce(F.linear(mlp, self.down_proj))
 
 
 class TPReferenceModel(ReferenceModel):
@@ -157,7 +161,10 @@ class TPReferenceModel(ReferenceModel):
         self.layers = nn.ModuleList(
             TPDecoderLayer(config, draw, self.comm, device) for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=config.dtype)
+        fused = fused_kernels(config.kernels, device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_eps, device=device, dtype=config.dtype, fused=fused
+        )
         cos, sin = decoder_rope_tables(config, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
