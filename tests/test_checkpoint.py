@@ -130,6 +130,26 @@ def test_each_family_maps_to_the_reference_models_features(sources: dict[str, Mo
     assert sources["qwen3"].model_config({"dtype": "bf16", "max_requests": 2}).dtype == torch.bfloat16
 
 
+def test_a_transformers_4_config_reads_the_same(
+    hf_cases: dict[str, Any], sources: dict[str, ModelSource], tmp_path: Path
+) -> None:
+    # transformers 4 wrote rope_theta and rope_scaling ("type" or "rope_type") and torch_dtype.
+    llama = sources["llama"].checkpoint.model_fields  # type: ignore[union-attr]
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    directory = _edit_config(
+        _copy(hf_cases["llama"], tmp_path),
+        rope_parameters=None,
+        dtype=None,
+        rope_theta=10000.0,
+        rope_scaling={**scaling, "original_max_position_embeddings": 64},
+        torch_dtype="float32",
+        some_field_of_a_fine_tuner=1,
+    )
+    source = open_model(str(directory))
+    assert source.checkpoint.model_fields == llama  # type: ignore[union-attr]
+    assert any("some_field_of_a_fine_tuner" in note for note in source.checkpoint.notes)  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("family", "changes", "needles"),
     [
@@ -314,3 +334,29 @@ def test_stop_strings_span_pieces_and_cut_at_the_earliest() -> None:
     open_ended = StopMatcher(["xyz"])
     assert open_ended.feed("abcx") == "abc" and open_ended.flush() == "x" and not open_ended.stopped
     assert StopMatcher([]).feed("anything") == "anything"
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def test_serve_refuses_in_one_line_and_names_the_missing_extra(
+    hf_cases: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from devgraph.cli import main
+
+    directory = _edit_config(_copy(hf_cases["mistral"], tmp_path), hidden_act="gelu", mlp_bias=True)
+    assert main(["serve", "--model", str(directory), "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "devgraph serve: error: mistral: MistralForCausalLM is not served"
+    )
+    assert "hidden_act 'gelu'" in err[0] and "mlp_bias" in err[0]
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails as if not installed
+    assert main(["serve", "--model", str(hf_cases["qwen3"].directory), "--device", "cpu", "--port", "0"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "devgraph serve: error: serving a checkpoint's tokenizer (--model DIR) needs transformers, which is "
+        "not installed: pip install 'devgraph[transformers]'"
+    )

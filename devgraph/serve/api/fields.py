@@ -30,6 +30,7 @@ __all__ = [
     "as_bool",
     "as_int",
     "check_fields",
+    "include_usage",
     "sampling",
 ]
 

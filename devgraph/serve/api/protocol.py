@@ -1,4 +1,4 @@
-"""The OpenAI protocol's shared pieces: errors, the model card, usage.
+"""The OpenAI protocol's shared pieces: errors and the model card.
 
 The routes' own request checks and response shapes are in ``completions.py`` and ``chat.py``; the fields
 both take, and the rule for every other field, in ``fields.py``.
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from devgraph.messages import shorten
-from devgraph.serve.engine.request import RequestOutput
 
 __all__ = [
     "ApiError",
@@ -22,7 +21,6 @@ __all__ = [
     "model_object",
     "now",
     "parse_model_card",
-    "usage",
 ]
 
 
@@ -83,15 +81,6 @@ def check_model(model: Any, served: str) -> None:
             param="model",
             kind="not_found_error",
         )
-
-
-def usage(output: RequestOutput) -> dict[str, int]:
-    """OpenAI's ``usage`` of a finished request."""
-    return {
-        "prompt_tokens": output.num_prompt_tokens,
-        "completion_tokens": output.num_output_tokens,
-        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
-    }
 
 
 def parse_model_card(payload: Any) -> ModelCard:

@@ -124,7 +124,7 @@ class _Reader:
             tie_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
             dtype=self._dtype(),
         )
-        self._features(family)
+        self._features()
         window = self._sliding_window(family)
         rope, theta, dynamic = self._rope(fields["head_dim"])
         fields.update(rope_theta=theta, rope_scaling=rope)
@@ -142,8 +142,18 @@ class _Reader:
             limit, reason = dynamic, "dynamic RoPE (it rescales past this length)"
         unread = sorted(set(self.raw) - _INERT)
         if unread:
-            self.notes.append(f"config.json fields not read (none of the four families uses them): {unread}")
-        return CheckpointConfig(family, architecture, fields, limit, reason, self._eos(), tuple(self.notes))
+            self.notes.append(
+                f"config.json fields devgraph does not read (inert for the served families): {unread}"
+            )
+        return CheckpointConfig(
+            family,
+            architecture,
+            fields,
+            limit,
+            reason,
+            token_ids(self.raw.get("eos_token_id")),
+            tuple(self.notes),
+        )
 
     # -- pieces ------------------------------------------------------------------------------------
     def _family(self) -> tuple[str, str]:
@@ -204,7 +214,7 @@ class _Reader:
             self.problems.append(f"dtype {name!r} (float32, float16 and bfloat16 are served)")
             return torch.float32
 
-    def _features(self, family: str) -> None:
+    def _features(self) -> None:
         act = self.raw.get("hidden_act", "silu")
         if act != "silu":
             self.problems.append(f"hidden_act {shorten(act)} (only silu)")
@@ -297,9 +307,6 @@ class _Reader:
             "max_position_embeddings)"
         )
         return RopeScaling(), theta, None
-
-    def _eos(self) -> tuple[int, ...]:
-        return token_ids(self.raw.get("eos_token_id"))
 
 
 def token_ids(value: Any) -> tuple[int, ...]:
