@@ -10,19 +10,21 @@
    batch 1, each of 8 prompts of random ids, 64 new tokens), then the compiled static-cache ``generate()``
    at batch 1 (per-token latency) and batch 32 (tokens/s), each after a warm-up call that compiles.
 3. **devgraph serve** (``checkpoint_bench/servers.py``), one subprocess per configuration, in this order:
-   ``--deterministic`` (the oracle's target), the default engine, the default engine with the decode graphs
-   compiled by inductor (``{"decode": {"backend": "full", "compiler": "inductor"}}``), and
-   ``--deterministic --dtype float32`` (the same weights in float32 against transformers in float32: where
-   agreement does not hang on bf16 rounding). Each: start-up (listening, first response, the server's own
-   stages), the oracle prompts alone and all at once, then load: 16 requests at concurrency 1 and 64 at
-   concurrency 32 (prompts of 32-256 random ids, 64-128 new tokens, streaming, greedy).
+   ``--deterministic`` (the oracle's target), the default engine, ``--deterministic --dtype float32`` (the
+   same weights in float32 against transformers in float32: agreement that does not hang on bf16 rounding;
+   the oracle prompts only), and the default engine with the decode graphs compiled by inductor
+   (``{"decode": {"backend": "full", "compiler": "inductor"}}``). Each: start-up (listening, first
+   response, the server's own stages), the oracle prompts alone and all at once, then load: 16 requests at
+   concurrency 1 and 64 at concurrency 32 (prompts of 32-256 random ids, 64-128 new tokens, streaming,
+   greedy).
 4. **Report** (``checkpoint_bench/report.py``): tokens equal to transformers per prompt (or the first
    differing token), the targets (every prompt equal in ``--deterministic``; ITL p50 at concurrency 1 at most
    0.8x HF compiled's per-token latency; tokens/s at concurrency 32 at least 3x HF compiled's at batch 32),
    start-up, the JSON and a PNG.
 
 ``--time-budget`` (default 420 s on the GPU) is honoured: each section asks first and what would not fit is
-skipped and recorded (``skipped``), the fp32 server first, then the inductor one, then HF at batch 32.
+skipped and recorded (``skipped``): the servers last in the order above first, then HF at batch 32; a
+server's start-up may take at most what the budget has left.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ class Run:
                 continue
             try:
                 expected = self.oracle_for(name)
-                record = run_config(name, flags, self.plan, self.checkpoint, self.prompts, out)
+                timeout = min(self.plan.start_timeout, max(30.0, self.budget.left() - 30))
+                record = run_config(name, flags, self.plan, self.checkpoint, self.prompts, out, timeout)
                 record["agreement_alone"] = agreement(record.pop("oracle_alone"), expected)
                 record["agreement_loaded"] = agreement(record.pop("oracle_loaded"), expected)
                 record["compared_with"] = (

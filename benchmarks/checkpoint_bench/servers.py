@@ -42,11 +42,19 @@ def _first_response(url: str, model: str) -> float:
 
 
 def run_config(
-    name: str, flags: list[str], plan: Plan, checkpoint: Path, prompts: list[list[int]], out: Path
+    name: str,
+    flags: list[str],
+    plan: Plan,
+    checkpoint: Path,
+    prompts: list[list[int]],
+    out: Path,
+    start_timeout: float,
 ) -> dict[str, Any]:
+    """Run configuration ``name``; a server that has not started within ``start_timeout`` seconds is
+    killed (the caller passes what the time budget has left)."""
     args = ["--model", str(checkpoint), *plan.server, *flags]
     record: dict[str, Any] = {"server_command": shlex.join(["python", "-m", "devgraph.serve", *args])}
-    with Server(args, out / f"serve-checkpoint-{name}.log", plan.start_timeout) as server:
+    with Server(args, out / f"serve-checkpoint-{name}.log", start_timeout) as server:
         card = server.get("/v1/models")["data"][0]
         model = card["id"]
         first = _first_response(server.url, model)
