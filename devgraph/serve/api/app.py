@@ -44,8 +44,6 @@ __all__ = ["ServerState", "build_app", "json_errors"]
 
 logger = logging.getLogger(__name__)
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-
 
 @dataclass
 class ServerState:
