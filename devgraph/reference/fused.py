@@ -12,13 +12,15 @@ about 12 in the fused one; in a replayed graph, where launches are cheap but eve
 microseconds, that is most of the step.
 
 ``fused_kernels(kernels, device)``: whether a model built for ``device`` with ``config.kernels`` uses the
-Triton form (``triton``: yes; ``torch``: no; ``auto``: on a CUDA device when triton imports).
+Triton form (``torch``: no; ``auto``: on a CUDA device when triton imports; ``triton``: on a CUDA device,
+or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``).
 """
 
 # No ``from __future__ import annotations`` here: torch derives the operator schemas from the annotations.
 
 import functools
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -41,7 +43,7 @@ def _triton() -> bool:
 def fused_kernels(kernels: str, device: torch.device) -> bool:
     """Whether the Triton form runs for ``config.kernels`` on ``device`` (see the module docstring)."""
     if kernels == "triton":
-        return True
+        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     return kernels == "auto" and device.type == "cuda" and _triton()
 
 
