@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +72,40 @@ def tiny_model(tiny_config: ReferenceConfig) -> Iterator[ReferenceModel]:
     model = ReferenceModel(tiny_config, device="cpu", seed=0)
     model.randomize_cache(seed=0)
     yield model
+
+
+@dataclass(frozen=True)
+class HFCase:
+    """A tiny local checkpoint of one family, the prompt set in its tokenizer's ids, and transformers'
+    greedy continuation of each prompt (the oracle)."""
+
+    family: str
+    directory: Path
+    prompts: list[list[int]]
+    expected: list  # checkpoints.Greedy per prompt
+
+
+@pytest.fixture(scope="session")
+def hf_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HFCase]:
+    """One checkpoint per served family (Llama, Qwen2, Qwen3, Mistral), built here with transformers and
+    tokenizers (nothing downloaded), and transformers' greedy tokens for the prompt set."""
+    for module in ("transformers", "tokenizers", "safetensors"):
+        pytest.importorskip(module, reason=f"serving a checkpoint needs {module}")
+    from checkpoints import FAMILIES, PROMPTS, build_checkpoint, hf_greedy
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    cases = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for family in FAMILIES:
+            directory = build_checkpoint(root / family, family)
+            tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(directory)
+            prompts = [tokenizer.encode(text) for text in PROMPTS]
+            cases[family] = HFCase(family, directory, prompts, hf_greedy(directory, prompts))
+    finally:
+        torch.set_num_threads(threads)
+    return cases
 
 
 def write_distribution(root, dist_name: str, modules: dict[str, str], entry_points: dict[str, str]) -> None:

@@ -309,7 +309,7 @@ def test_serve_on_an_unusable_cuda_says_why_like_the_demo(capsys, no_run, regist
     if registry.platform("cuda").availability():
         pytest.skip("CUDA is usable here")
     demo_line = _usage_error(capsys, ["--device", "cuda"])
-    monkeypatch.setattr("devgraph.serve.api.server.ReferenceModel", None)  # nothing may be built
+    monkeypatch.setattr("devgraph.serve.checkpoint.source.ReferenceModel", None)  # nothing may be built
     assert main(["serve", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "AssertionError" not in err[0]

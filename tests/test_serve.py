@@ -12,21 +12,20 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from servers import ServerProcess
 
 from devgraph.reference import ReferenceConfig, ReferenceModel
-from devgraph.serve.api.protocol import ApiError, parse
-from devgraph.serve.api.tokenizer import ByteTokenizer, StreamDecoder
+from devgraph.serve.api.completions import parse_completion
+from devgraph.serve.api.protocol import ApiError
 from devgraph.serve.bench.report import percentile, summarize
+from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer, StreamDecoder
 from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
 
 aiohttp = pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
@@ -38,76 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--preset", "tiny", "--device", "cpu", "--cpu-threads", "1", "--max-running-requests", "8"]
 
 
-class Server:
+class Server(ServerProcess):
     def __init__(self, *flags: str) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "devgraph.serve",
-            *COMMON,
-            *flags,
-            "--port",
-            "0",
-            "--host",
-            "127.0.0.1",
-        ]
-        self.proc = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.stderr: list[str] = []
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
-        deadline = time.monotonic() + 120
-        assert self.proc.stdout is not None
-        line = ""
-        while "listening on" not in line:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {''.join(self.stderr)[-2000:]}")
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError("server did not start in 120 s")
-        self.url = line.rsplit(" ", 1)[-1].strip()
-        self.port = int(self.url.rsplit(":", 1)[-1])
-
-    def _drain_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-
-    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
-        req = urllib.request.Request(self.url + path, data=body, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as response:
-                raw = response.read()
-                status = response.status
-                content_type = response.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as error:
-            raw, status, content_type = error.read(), error.code, error.headers.get("Content-Type", "")
-        return status, json.loads(raw) if "json" in content_type else raw.decode()
-
-    def post(self, payload: Any) -> tuple[int, Any]:
-        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        return self.request("POST", "/v1/completions", body)
-
-    def stats(self) -> dict[str, Any]:
-        return self.request("GET", "/v1/engine/stats")[1]
-
-    def wait_idle(self, timeout: float = 20.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if stats["running"] == stats["waiting"] == stats["queued"] == 0 or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
+        super().__init__(*COMMON, *flags)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +144,19 @@ def test_text_prompt_and_non_streaming_response(server: Server) -> None:
         ({"prompt": ["a", "b"]}, 400, "one prompt"),
         ({"prompt": [1], "temperature": "hot"}, 400, "temperature"),
         ({"prompt": [1], "top_p": 0}, 400, "top_p"),
-        ({"prompt": [1], "stop": ["\n"]}, 400, "stop strings"),
+        ({"prompt": [1], "stop": [""]}, 400, "at most 16 strings of 1 to 256 characters"),
+        ({"prompt": [1], "stop": ["x"] * 17}, 400, "at most 16 strings"),
+        ({"prompt": [1], "echo": True, "logprobs": 1}, 400, "echo with logprobs"),
+        ({"prompt": [1], "logprobs": 21}, 400, "logprobs must be an integer from 0 to 20"),
+        ({"prompt": [1], "top_k": -2}, 400, "top_k must be an int >= 0"),
+        ({"prompt": [1], "presence_penalty": 0.1}, 400, "presence_penalty 0.1 is not implemented"),
+        ({"prompt": [1], "frequency_penalty": -1}, 400, "frequency_penalty -1 is not implemented"),
+        ({"prompt": [1], "logit_bias": {"5": 1}}, 400, "logit_bias"),
+        ({"prompt": [1], "best_of": 2}, 400, "best_of 2 is not implemented"),
+        ({"prompt": [1], "suffix": "x"}, 400, "suffix"),
+        ({"prompt": [1], "frobnicate": 1}, 400, "does not take the field 'frobnicate'"),
+        ({"prompt": [1], "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
+        ({"prompt": [1], "stream": True, "stream_options": {"x": 1}}, 400, "stream_options does not take"),
         ({"prompt": [1], "stream": "yes"}, 400, "stream"),
         ({"prompt": [1], "n": 2}, 400, "n must be 1"),
         (b'{"prompt": "' + b"a" * (1 << 21) + b'"}', 413, "too large"),
@@ -250,8 +194,21 @@ def _raw(server: Server, method: str, path: str, body: bytes | None) -> tuple[in
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "needle"),
     [
-        ("GET", "/nope", None, 404, "GET '/nope': Not Found; routes: POST /v1/completions, GET /v1/models"),
-        ("POST", "/v1/chat/completions", b"{}", 404, "Not Found; routes:"),
+        (
+            "GET",
+            "/nope",
+            None,
+            404,
+            "Not Found; routes: POST /v1/completions, POST /v1/chat/completions, GET",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}]}',
+            400,
+            "no chat",
+        ),
+        ("GET", "/v1/models/gpt-4", None, 404, "model 'gpt-4' is not served here"),
         ("GET", "/v1/completions", None, 405, "Method Not Allowed"),
         ("DELETE", "/health", None, 405, "Method Not Allowed"),
         ("PUT", "/v1/models", b"{}", 405, "Method Not Allowed"),
@@ -304,9 +261,10 @@ def test_start_up_logs_each_stage_when_stderr_is_not_a_terminal(server: Server) 
     # The server fixture's stderr is a pipe: no bar, one INFO line per stage and per captured graph.
     log = "".join(server.stderr)
     for line in (
-        "devgraph.serve.api.server INFO building the model: preset 'tiny'",
-        "devgraph.serve.api.server INFO model ready in",
-        "devgraph.serve.api.server INFO capturing graphs (--device-graph-mode auto)",
+        "devgraph.serve.api.startup INFO building the model: preset 'tiny', random weights",
+        "devgraph.serve.api.startup INFO model ready in",
+        "devgraph.serve.api.startup INFO capturing graphs (--device-graph-mode auto)",
+        "devgraph.serve.api.startup INFO graphs ready in",
         "devgraph.runner.capture.loop INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
         "devgraph.runner.capture.loop INFO captured prefill graph 1/1",
         "devgraph.serve.api.server INFO warm-up requests served in",
@@ -365,10 +323,11 @@ def test_metrics_expose_runner_statistics_and_latency_histograms(server: Server)
     assert value("devgraph_eager_steps_total", phase="prefill", reason="past_largest") == 0
     assert value("devgraph_padding_waste_ratio", phase="decode") == 0  # the engine pads, not the runner
     assert value("devgraph_engine_padding_tokens_total") > 0
-    assert value("devgraph_serve_time_to_first_token_seconds_count") > 0
-    assert value("devgraph_serve_inter_token_latency_seconds_count") > 0
-    assert value("devgraph_serve_requests_total", finish_reason="length") > 0
-    assert value("devgraph_serve_requests_running") == 0
+    assert value("vllm:time_to_first_token_seconds_count", model_name="tiny") > 0
+    assert value("vllm:inter_token_latency_seconds_count", engine="0") > 0
+    assert value("vllm:request_success_total", finished_reason="length") > 0
+    assert value("vllm:num_requests_running") == 0
+    assert value("vllm:kv_cache_usage_perc") == 0
     assert value("devgraph_serve_kv_blocks_free") == value("devgraph_serve_kv_blocks_total")
 
 
@@ -511,7 +470,7 @@ def test_a_kv_cache_too_large_for_memory_or_too_small_for_the_warm_up_is_refused
     import argparse
 
     from devgraph.errors import ConfigError
-    from devgraph.serve.api import server as server_module
+    from devgraph.serve.api import startup as server_module
     from devgraph.serve.cli import add_serve_parser
 
     parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
@@ -533,7 +492,7 @@ def test_start_up_errors_name_the_flags_the_user_set_and_values_that_work() -> N
     import argparse
 
     from devgraph.errors import ConfigError
-    from devgraph.serve.api import server as server_module
+    from devgraph.serve.api import startup as server_module
     from devgraph.serve.cli import add_serve_parser
 
     parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
@@ -567,13 +526,16 @@ def test_byte_tokenizer_round_trip_and_streaming_split_characters() -> None:
 
 
 def test_protocol_defaults_and_field_checks() -> None:
-    request = parse({"prompt": "ab", "stop": 7, "stop_token_ids": [8]}, ByteTokenizer(), "tiny")
+    def parse(body: Any) -> Any:
+        return parse_completion(body, ByteTokenizer(), "tiny", defaults={}, eos_token_ids=())[0]
+
+    request = parse({"prompt": "ab", "stop": 7, "stop_token_ids": [8]})
     assert request.prompt == [97, 98] and not request.stream
     params = request.params
     assert (params.max_tokens, params.temperature, params.top_p, params.seed) == (16, 1.0, 1.0, None)
-    assert params.stop_token_ids == (7, 8)
+    assert params.stop_token_ids == (7, 8) and params.top_k == 0 and params.logprobs is None
     with pytest.raises(ApiError) as info:
-        parse({"prompt": [1], "seed": 1.5}, ByteTokenizer(), "tiny")
+        parse({"prompt": [1], "seed": 1.5})
     assert info.value.status == 400 and info.value.param == "seed"
 
 

@@ -9,8 +9,9 @@ import torch
 
 from devgraph.errors import ConfigError
 from devgraph.reference.config_rules import check_kernels, check_positive_ints, preset_values
+from devgraph.reference.rope import RopeScaling
 
-__all__ = ["ReferenceConfig", "PRESET_NAMES", "ATTENTION_MODES"]
+__all__ = ["ReferenceConfig", "PRESET_NAMES", "ATTENTION_MODES", "DTYPE_NAMES", "parse_dtype"]
 
 #: ``paged``: kernels over device metadata (capturable whole); ``sdpa``: a break op with host metadata.
 ATTENTION_MODES: tuple[str, ...] = ("paged", "sdpa")
@@ -49,7 +50,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 # Spellings accepted for ``dtype`` in :meth:`ReferenceConfig.preset` overrides (e.g. from a CLI flag).
-_DTYPE_NAMES: dict[str, torch.dtype] = {
+DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
     "float16": torch.float16,
@@ -83,6 +84,11 @@ class ReferenceConfig:
     ``attention``: ``paged`` (kernels that read block tables and lengths from device tensors, so a full
     graph replays any batch) or ``sdpa`` (a break op fed host-side lengths through the forward context).
     ``kernels``: ``auto`` (Triton on a GPU when it imports, else the torch reference), ``triton``, ``torch``.
+
+    Features of the decoder families a checkpoint may come from: ``qkv_bias`` (Qwen2: biases on the q, k
+    and v projections), ``qk_norm`` (Qwen3: an RMSNorm over each query and key head before RoPE),
+    ``tie_embeddings`` (the LM head is the embedding; otherwise a weight of its own) and ``rope_scaling``
+    (see :mod:`devgraph.reference.rope`).
     """
 
     vocab_size: int
@@ -101,6 +107,10 @@ class ReferenceConfig:
     dtype: torch.dtype = torch.float32
     attention: str = "paged"
     kernels: str = "auto"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    rope_scaling: RopeScaling = RopeScaling()
 
     def __post_init__(self) -> None:
         check_positive_ints(self, _POSITIVE_INTS)
@@ -130,10 +140,18 @@ class ReferenceConfig:
                 "ReferenceConfig.rope_theta and rms_eps must be > 0, "
                 f"got {self.rope_theta!r} and {self.rms_eps!r}"
             )
+        flags = {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "tie_embeddings": self.tie_embeddings}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"ReferenceConfig.{name} must be True or False, got {value!r}")
+        if not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(
+                f"ReferenceConfig.rope_scaling must be a RopeScaling, got {type(self.rope_scaling).__name__}"
+            )
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ConfigError(
                 f"ReferenceConfig.dtype must be a floating torch.dtype, got {self.dtype!r}; "
-                f"accepted names in presets: {', '.join(_DTYPE_NAMES)}"
+                f"accepted names in presets: {', '.join(DTYPE_NAMES)}"
             )
 
     @property
@@ -160,9 +178,13 @@ class ReferenceConfig:
         ``dtype`` may be given as a torch.dtype or a name such as ``"bf16"``.
         """
         values = preset_values(cls, "reference", _PRESETS, name, overrides)
-        dtype = values.get("dtype")
-        if isinstance(dtype, str):
-            if dtype not in _DTYPE_NAMES:
-                raise ConfigError(f"unknown dtype {dtype!r}; accepted: {', '.join(_DTYPE_NAMES)}")
-            values["dtype"] = _DTYPE_NAMES[dtype]
+        if isinstance(values.get("dtype"), str):
+            values["dtype"] = parse_dtype(values["dtype"])
         return cls(**values)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype a name such as ``"bf16"`` or ``"bfloat16"`` spells; :class:`ConfigError` otherwise."""
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"unknown dtype {name!r}; accepted: {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[name]

@@ -9,74 +9,123 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from devgraph.errors import ConfigError
 from devgraph.reference.attention import PagedMetadata, paged_attention, sdpa_attention
 from devgraph.reference.config import ReferenceConfig
+from devgraph.reference.fused import add_rms_norm, fused_kernels, qk_norm_rope, rms_norm, silu_mul
+from devgraph.reference.rope import rope_tables
 
-__all__ = ["ReferenceModel", "RMSNorm", "DecoderLayer", "draw_weight", "rope_tables", "rotate"]
+__all__ = [
+    "ReferenceModel",
+    "RMSNorm",
+    "DecoderLayer",
+    "WEIGHT_INITS",
+    "decoder_rope_tables",
+    "draw_weight",
+    "rotate",
+]
+
+#: How a model's weights start: ``random`` (drawn from the seed) or ``empty`` (allocated, not written:
+#: a checkpoint loader fills them).
+WEIGHT_INITS: tuple[str, ...] = ("random", "empty")
 
 
 def draw_weight(
-    generator: torch.Generator, shape: tuple[int, ...], fan_in: int, device: torch.device, dtype: torch.dtype
+    generator: torch.Generator | None,
+    shape: tuple[int, ...],
+    fan_in: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> nn.Parameter:
-    """A frozen weight ~ N(0, 1/fan_in), drawn on the CPU so a seed gives the same weights on any device.
+    """A frozen weight ~ N(0, 1/fan_in), drawn on the CPU so a seed gives the same weights on any device;
+    with no ``generator``, allocated on ``device`` and left unwritten (a loader fills it).
 
     The 1/sqrt(fan_in) scale keeps every projection's output at unit scale, so the residual stream
     grows only like sqrt(2 * num_layers) and stays finite in bf16 at 28 layers.
     """
+    if generator is None:
+        return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
     weight = torch.randn(shape, generator=generator, dtype=torch.float32).mul_(1.0 / math.sqrt(fan_in))
     return nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned (here: ones) scale; statistics in float32."""
+def _zeros(size: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(size, device=device, dtype=dtype), requires_grad=False)
 
-    def __init__(self, size: int, eps: float, *, device: torch.device, dtype: torch.dtype) -> None:
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension with a learned scale (ones until loaded); statistics in
+    float32, the normalised value cast back before the scale multiplies it (transformers' order).
+
+    ``shape`` is the scale's shape: ``size`` for a hidden-state norm, ``(heads, head_dim)`` for per-head
+    norms applied to several heads at once (each head its own row of scale)."""
+
+    def __init__(
+        self,
+        shape: int | tuple[int, ...],
+        eps: float,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        fused: bool = False,
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
+        self.fused = fused  # one Triton kernel (devgraph.reference.fused) for [N, H] inputs
+        self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_tables(config: ReferenceConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` ``[max_seq_len, head_dim / 2]`` in float32 (bf16 angles are too coarse at long
-    positions), indexed by positions."""
-    half = config.head_dim // 2
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half)
-    angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+        return rms_norm(x, self.weight, self.eps, self.fused and x.dim() == 2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``x [N, heads, D]`` with ``cos``/``sin [N, 1, D/2]`` (float32); the vision
-    encoder's 2-D rotary uses it too (row angles, then column angles, in ``cos``/``sin``)."""
+    """Rotate-half RoPE on ``x [N, heads, D]`` with ``cos``/``sin [N, 1, D/2]`` in float32 (the vision
+    encoder's 2-D rotary: row angles, then column angles, in ``cos``/``sin``). The decoder rotates in its
+    own dtype, as transformers does: :func:`devgraph.reference.rope.apply_rope`."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def decoder_rope_tables(config: ReferenceConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``[max_seq_len, head_dim / 2]`` in the model's dtype, indexed by positions."""
+    return rope_tables(
+        config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len, device, config.dtype
+    )
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block: GQA attention over this layer's paged KV cache, then a SwiGLU MLP."""
+    """Pre-norm block: GQA attention over this layer's paged KV cache, then a SwiGLU MLP.
+
+    Queries and keys are one slice of the fused projection (``[N, H + KVH, D]``), normed per head
+    (``qk_norm``) and rotated together: one set of elementwise kernels for both (one Triton kernel on a
+    GPU: :mod:`devgraph.reference.fused`). ``generator=None`` leaves the projections unwritten for a
+    loader (see :func:`draw_weight`).
+    """
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
-    def __init__(self, config: ReferenceConfig, generator: torch.Generator, device: torch.device) -> None:
+    def __init__(
+        self, config: ReferenceConfig, generator: torch.Generator | None, device: torch.device
+    ) -> None:
         super().__init__()
         c, dt = config, config.dtype
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.attention, self.kernels = c.attention, c.kernels
         self.scale = c.head_dim**-0.5
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.head_split = (c.num_heads, c.num_kv_heads, c.num_kv_heads)
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
+        self.fused = fused_kernels(c.kernels, device)
+        self.rms_eps = c.rms_eps
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
         # Fused q/k/v and gate/up projections: fewer kernels per step, as in production engines.
         self.qkv_proj = draw_weight(
             generator, (q_size + 2 * kv_size, c.hidden_size), c.hidden_size, device, dt
         )
+        self.qkv_bias = _zeros(q_size + 2 * kv_size, device, dt) if c.qkv_bias else None
+        # Qwen3's q_norm and k_norm as one per-head scale: rows 0..H-1 are q_norm's, the rest k_norm's.
+        heads = c.num_heads + c.num_kv_heads
+        self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_eps, device=device, dtype=dt) if c.qk_norm else None
         self.o_proj = draw_weight(generator, (c.hidden_size, q_size), q_size, device, dt)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
         self.gate_up_proj = draw_weight(
@@ -113,22 +162,26 @@ class DecoderLayer(nn.Module):
         n = hidden.shape[0]
         # Heads first, then split: views of the contiguous projection only. (Splitting the flat projection
         # and viewing each part makes inductor's view lowering guard on n > 1: a second compile for n = 1.)
-        qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
-        q, k, v = qkv.split(self.head_split, dim=1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        attn = self.attend(q, k, v, meta)
-        hidden = hidden + F.linear(attn.reshape(n, -1), self.o_proj)
-        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        qkv = F.linear(self.input_norm(hidden), self.qkv_proj, self.qkv_bias).view(n, -1, self.head_dim)
+        qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
+        scale = None if self.qk_norm is None else self.qk_norm.weight
+        qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        attn = F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj)
+        normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
+        mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
+        return hidden + F.linear(mlp, self.down_proj)
 
 
 class ReferenceModel(nn.Module):
     """A small Llama-style decoder with random weights and a paged KV cache held as buffers.
 
     Built from ``config``, a ``device`` and a ``seed``: the same seed gives the same weights on any
-    device. ``k_cache[layer]`` / ``v_cache[layer]`` are ``[total_blocks, block_size, KVH, D]``; block 0 is
-    the scratch block (slot :attr:`padding_slot` is where padding tokens write). The LM head is tied to
-    the embedding (as in Qwen3-0.6B).
+    device; ``weights="empty"`` allocates them unwritten for a checkpoint loader instead (norm scales
+    start at one, biases at zero). ``k_cache[layer]`` / ``v_cache[layer]`` are
+    ``[total_blocks, block_size, KVH, D]``; block 0 is the scratch block (slot :attr:`padding_slot` is where
+    padding tokens write). The LM head is the embedding when ``config.tie_embeddings`` (as in
+    Qwen3-0.6B), else :attr:`lm_head`, drawn after every other weight.
 
     The steps are pure tensor code whose metadata is device tensors (see :class:`PagedMetadata`):
 
@@ -147,19 +200,31 @@ class ReferenceModel(nn.Module):
     layers: nn.ModuleList
 
     def __init__(
-        self, config: ReferenceConfig, device: torch.device | str | None = None, seed: int = 0
+        self,
+        config: ReferenceConfig,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        *,
+        weights: str = "random",
     ) -> None:
         super().__init__()
+        if weights not in WEIGHT_INITS:
+            raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
         device = torch.device(device if device is not None else "cpu")
         self.config = config
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed) if weights == "random" else None
         # Draw order is fixed (embedding, then layer by layer) so a seed pins every weight.
-        self.embed = draw_weight(
-            generator, (config.vocab_size, config.hidden_size), config.hidden_size, device, config.dtype
-        )
+        shape, dtype = (config.vocab_size, config.hidden_size), config.dtype
+        self.embed = draw_weight(generator, shape, config.hidden_size, device, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, generator, device) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=config.dtype)
-        cos, sin = rope_tables(config, device)
+        fused = fused_kernels(config.kernels, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=dtype, fused=fused)
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else draw_weight(generator, shape, config.hidden_size, device, dtype)
+        )
+        cos, sin = decoder_rope_tables(config, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -199,15 +264,15 @@ class ReferenceModel(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden_size]`` of a step's tokens."""
         hidden = F.embedding(input_ids, self.embed)
-        cos = self.rope_cos.index_select(0, positions)[:, None]  # [T, 1, D/2]
-        sin = self.rope_sin.index_select(0, positions)[:, None]
+        cos = self.rope_cos.index_select(0, positions)  # [T, D/2], the model's dtype
+        sin = self.rope_sin.index_select(0, positions)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over final-normed hidden states: ``[..., hidden_size] -> [..., vocab_size]``."""
-        return F.linear(hidden, self.embed)
+        return F.linear(hidden, self.embed if self.lm_head is None else self.lm_head)
 
     def decode_step(
         self,

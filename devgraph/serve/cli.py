@@ -111,14 +111,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """``devgraph serve``: an OpenAI-style completions server over the reference engine."""
     parser = subparsers.add_parser(
         "serve",
-        help="serve the reference model over HTTP (OpenAI-style /v1/completions) with continuous batching",
+        help="serve a checkpoint over the OpenAI API (completions, chat) with continuous batching and graphs",
         description=_SERVE_DESCRIPTION,
     )
     return _serve_args(parser)
 
 
 _SERVE_DESCRIPTION = (
-    "Serve the reference model (random weights) with the reference engine; see docs/serving.md."
+    "Serve a Hugging Face checkpoint (or a random-weight preset) on the reference model and engine over the "
+    "OpenAI API; see docs/serving.md."
 )
 _BENCH_DESCRIPTION = "Send a seeded request trace to a running server; report TTFT, ITL and throughput."
 
@@ -126,12 +127,30 @@ _BENCH_DESCRIPTION = "Send a seeded request trace to a running server; report TT
 def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_device_graph_args(parser)
     parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR|PRESET",
+        help="a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Mistral; safetensors) or a "
+        f"random-weight preset ({', '.join(PRESET_NAMES)}; default: tiny on CPU, qwen3-0.6b on a GPU)",
+    )
+    parser.add_argument(
         "--preset",
         choices=PRESET_NAMES,
         default=None,
-        help="model shape (default: tiny on CPU, qwen3-0.6b on a GPU)",
+        help="a random-weight preset (the same as --model NAME)",
     )
-    parser.add_argument("--dtype", choices=_DTYPES, default=None, help="model dtype (default: the preset's)")
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template replacing the checkpoint's own (for /v1/chat/completions)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="model dtype (default: the checkpoint's or the preset's)",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: the best device present)")
     parser.add_argument("--attention", choices=ATTENTION_MODES, default=None, help="paged (default) or sdpa")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -157,7 +176,10 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="KV blocks (default: enough for every running request at full length)",
     )
     parser.add_argument(
-        "--max-seq-len", type=_int_in(2, 1 << 20), default=None, help="context length (default: the preset's)"
+        "--max-seq-len",
+        type=_int_in(2, 1 << 20),
+        default=None,
+        help="context length (default: the preset's; a checkpoint's up to 2048)",
     )
     parser.add_argument(
         "--deterministic",
@@ -169,7 +191,13 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=_int_in(0, (1 << 63) - 1), default=0, help="weight seed (default 0)")
     parser.add_argument(
-        "--served-model-name", default=None, help="the model name clients send (default: the preset)"
+        "--served-model-name", default=None, help="the model name clients send (default: the --model value)"
+    )
+    parser.add_argument(
+        "--log-stats-interval",
+        type=_seconds,
+        default=10.0,
+        help="seconds between INFO lines with throughput and KV-cache usage (default 10; 0: none)",
     )
     parser.add_argument(
         "--max-queued-requests", type=_int_in(1, 1 << 20), default=1024, help="in-flight limit; past it 429"

@@ -24,7 +24,8 @@ from torch import nn
 from devgraph.errors import ConfigError
 from devgraph.reference.attention import PagedMetadata
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, rope_tables, rotate
+from devgraph.reference.fused import add_rms_norm, fused_kernels, qk_norm_rope, silu_mul
+from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, decoder_rope_tables
 from devgraph.reference.tp.comm import TPComm
 
 __all__ = ["TPDecoderLayer", "TPReferenceModel"]
@@ -67,7 +68,10 @@ class TPDecoderLayer(DecoderLayer):
         q_full, kv_full = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q_size, kv_size = q_full // size, kv_full // size
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
+        self.fused = fused_kernels(c.kernels, device)
+        self.rms_eps = c.rms_eps
+        self.qk_norm = None
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
 
         def keep(weight: torch.Tensor) -> nn.Parameter:
@@ -96,12 +100,13 @@ class TPDecoderLayer(DecoderLayer):
         n = hidden.shape[0]
         # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
         qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
-        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        attn = self.attend(q, k, v, meta)
-        hidden = hidden + self.comm.all_reduce(F.linear(attn.reshape(n, -1), self.o_proj))
-        gate, up = F.linear(self.post_attention_norm(hidden), self.gate_up_proj).chunk(2, dim=-1)
-        return hidden + self.comm.all_reduce(F.linear(F.silu(gate) * up, self.down_proj))
+        qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
+        qk = qk_norm_rope(qk, None, cos, sin, self.rms_eps, self.fused)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        attn = self.comm.all_reduce(F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj))
+        normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
+        mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
+        return hidden + self.comm.all_reduce(F.linear(mlp, self.down_proj))
 
 
 class TPReferenceModel(ReferenceModel):
@@ -142,14 +147,25 @@ class TPReferenceModel(ReferenceModel):
                 f"tensor parallelism over {size} ranks needs {', '.join(bad)} divisible by {size}; "
                 "pick a tensor-parallel size that divides them"
             )
+        features = [name for name in ("qkv_bias", "qk_norm") if getattr(config, name)]
+        features += [] if config.tie_embeddings else ["tie_embeddings=False"]
+        if features:
+            raise ConfigError(
+                f"the tensor-parallel reference model does not shard {', '.join(features)}; "
+                "run such a model on one device"
+            )
+        self.lm_head = None
         draw = _drawer(seed, device, exact_weights)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
         self.embed = nn.Parameter(embed.to(device=device, dtype=config.dtype), requires_grad=False)
         self.layers = nn.ModuleList(
             TPDecoderLayer(config, draw, self.comm, device) for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=config.dtype)
-        cos, sin = rope_tables(config, device)
+        fused = fused_kernels(config.kernels, device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_eps, device=device, dtype=config.dtype, fused=fused
+        )
+        cos, sin = decoder_rope_tables(config, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

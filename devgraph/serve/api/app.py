@@ -1,13 +1,13 @@
 """The HTTP API of ``devgraph serve`` on aiohttp.
 
-Routes: ``POST /v1/completions`` (JSON, or server-sent events with ``"stream": true``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text) and ``GET /v1/engine/stats`` (the engine's counters as
-JSON, for tests and debugging). Handlers never block the event loop: the engine steps in its own thread
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent events with
+``"stream": true``), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``
+(Prometheus text) and ``GET /v1/engine/stats`` (the engine's counters and the start-up times as JSON).
+Handlers never block the event loop: the engine steps in its own thread
 (:class:`~devgraph.serve.engine.EngineLoop`) and hands tokens back through ``call_soon_threadsafe``;
-reading the engine's stats waits for the current step, so it runs in an executor thread.
-
-A handler that ends before its request finished (the client went away: a failed write, or aiohttp
-cancelling the handler) aborts the request, which frees its KV blocks.
+reading the engine's stats waits for the current step, so it runs in an executor thread. How one
+generation request runs is in ``generate.py``; what each route takes, in ``completions.py`` and
+``chat.py``.
 
 Every error is JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``: the handlers'
 own (:class:`~devgraph.serve.api.protocol.ApiError`) and, through :func:`json_errors`, aiohttp's (unknown
@@ -17,11 +17,10 @@ route 404, wrong method 405, body too large 413) and any exception a handler did
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
-import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,73 +29,45 @@ from aiohttp import web
 from devgraph.errors import InputError
 from devgraph.extras import install_hint
 from devgraph.messages import shorten
+from devgraph.serve.api.chat import parse_chat
+from devgraph.serve.api.completions import parse_completion
+from devgraph.serve.api.fields import Generation
+from devgraph.serve.api.generate import Outbox, Shape, respond
 from devgraph.serve.api.metrics import ServeMetrics
-from devgraph.serve.api.protocol import (
-    ApiError,
-    CompletionRequest,
-    ModelCard,
-    completion_chunk,
-    completion_response,
-    error_body,
-    model_list,
-    now,
-    parse,
-)
-from devgraph.serve.api.tokenizer import ByteTokenizer, StreamDecoder
+from devgraph.serve.api.protocol import ApiError, ModelCard, error_body, model_list, model_object
+from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
+from devgraph.serve.checkpoint.text import Tokenizer
 from devgraph.serve.engine.loop import EngineClosed, EngineLoop
-from devgraph.serve.engine.request import FinishReason, RequestOutput
+from devgraph.serve.engine.request import RequestOutput
 
 __all__ = ["ServerState", "build_app", "json_errors"]
 
 logger = logging.getLogger(__name__)
 
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-
-
-class Outbox:
-    """Hands engine outputs to the event loop with one wake-up per batch, not one per token.
-
-    ``put`` runs on the engine thread: it appends to a deque and, unless a flush is already scheduled,
-    schedules one with ``call_soon_threadsafe``; the flush (on the event loop) moves every pending output
-    into its request's queue. At 32 streams that is one wake-up per step instead of 32.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._pending: collections.deque[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = (
-            collections.deque()
-        )
-        self._lock = threading.Lock()
-        self._scheduled = False
-
-    def put(self, queue: asyncio.Queue[RequestOutput], output: RequestOutput) -> None:
-        self._pending.append((queue, output))
-        with self._lock:
-            if self._scheduled:
-                return
-            self._scheduled = True
-        self._loop.call_soon_threadsafe(self._flush)
-
-    def _flush(self) -> None:
-        with self._lock:
-            self._scheduled = False
-        while self._pending:
-            queue, output = self._pending.popleft()
-            queue.put_nowait(output)
-
 
 @dataclass
 class ServerState:
-    """What the handlers share."""
+    """What the handlers share. ``sampling_defaults``: the model's generation config (temperature, top_p,
+    top_k) for requests that set none; ``eos_token_ids``: where generation stops unless ``ignore_eos``;
+    ``startup``: the start-up stages' seconds, reported by ``/v1/engine/stats``."""
 
     engine: EngineLoop
     model_name: str
     metrics: ServeMetrics | None
     max_queued: int
-    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    root: str | None = None
+    startup: dict[str, Any] = field(default_factory=dict)
     draining: bool = False
     body_timeout: float = 30.0  # seconds a request body may take to arrive (--body-timeout)
     outbox: Outbox | None = None  # made on the event loop by the first request
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def card(self) -> ModelCard:
+        config = self.engine.engine.model_config
+        return ModelCard(self.model_name, config.vocab_size, config.max_seq_len, self.root, self.created)
 
 
 # aiohttp >= 3.9 types application keys; older versions take a plain string.
@@ -151,7 +122,9 @@ def build_app(state: ServerState) -> web.Application:
     app.add_routes(
         [
             web.post("/v1/completions", _completions),
+            web.post("/v1/chat/completions", _chat),
             web.get("/v1/models", _models),
+            web.get("/v1/models/{model:.+}", _model),
             web.get("/health", _health),
             web.get("/metrics", _metrics),
             web.get("/v1/engine/stats", _stats),
@@ -168,15 +141,22 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _models(request: web.Request) -> web.Response:
+    return web.json_response(model_list(request.app[STATE].card()))
+
+
+async def _model(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    config = state.engine.engine.model_config
-    return web.json_response(model_list(ModelCard(state.model_name, config.vocab_size, config.max_seq_len)))
+    name = request.match_info["model"]
+    if name != state.model_name:
+        message = f"model {shorten(name)} is not served here; this server serves {state.model_name!r}"
+        return _error(ApiError(404, message, param="model", kind="not_found_error"))
+    return web.json_response(model_object(state.card()))
 
 
 async def _stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     stats = await asyncio.get_running_loop().run_in_executor(None, state.engine.stats)
-    return web.json_response(stats)
+    return web.json_response({**stats, "startup": state.startup})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -188,7 +168,7 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-async def _read(request: web.Request, state: ServerState) -> CompletionRequest:
+async def _read(request: web.Request, state: ServerState) -> Any:
     try:
         # A client that stalls mid-body is dropped: it would hold a handler (and the shutdown) forever.
         raw = await asyncio.wait_for(request.read(), state.body_timeout)
@@ -199,99 +179,80 @@ async def _read(request: web.Request, state: ServerState) -> CompletionRequest:
             408, f"the request body did not arrive within {state.body_timeout:g} s", kind="timeout"
         ) from None
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
         raise ApiError(400, f"the request body is not valid JSON: {shorten(str(exc))}") from None
-    return parse(body, state.tokenizer, state.model_name)
+
+
+Parser = Callable[[Any, ServerState], tuple[Generation, Shape]]
+
+
+def _parse_completion(body: Any, state: ServerState) -> tuple[Generation, Shape]:
+    return parse_completion(
+        body,
+        state.tokenizer,
+        state.model_name,
+        defaults=state.sampling_defaults,
+        eos_token_ids=state.eos_token_ids,
+    )
+
+
+def _parse_chat(body: Any, state: ServerState) -> tuple[Generation, Shape]:
+    return parse_chat(
+        body,
+        state.tokenizer,
+        state.model_name,
+        context=state.engine.engine.model_config.max_seq_len,
+        defaults=state.sampling_defaults,
+        eos_token_ids=state.eos_token_ids,
+    )
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, _parse_completion)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, _parse_chat)
+
+
+async def _generation(request: web.Request, parse: Parser) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
         return _error(ApiError(503, "the server is shutting down", kind="unavailable"))
+    arrival = time.monotonic()
     try:
-        parsed = await _read(request, state)
+        generation, shape = parse(await _read(request, state), state)
         if state.engine.in_flight() >= state.max_queued:
             raise ApiError(429, f"{state.max_queued} requests are in flight; retry later", kind="overloaded")
     except ApiError as exc:
         return _error(exc)
+    except InputError as exc:  # a chat template that refuses the messages
+        return _error(ApiError(400, str(exc), param="messages"))
     except Exception:  # a body the checks above missed: a bug, but the client still gets JSON
-        logger.exception("checking a completion request failed")
+        logger.exception("checking a %s request failed", request.path)
         return _error(ApiError(500, "the server failed to read this request; see its log"))
     if state.outbox is None:
         state.outbox = Outbox(asyncio.get_running_loop())
     outbox = state.outbox
     queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    arrival = time.monotonic()
     metrics = state.metrics
 
     def sink(output: RequestOutput) -> None:  # on the engine thread
         if metrics is not None:
-            metrics.observe(output, time.monotonic() - arrival if output.finished else None)
+            metrics.observe(output, time.monotonic() - arrival)
         outbox.put(queue, output)
 
     try:
-        request_id = state.engine.submit(parsed.prompt, parsed.params, sink)
+        request_id = state.engine.submit(generation.prompt, generation.params, sink)
     except InputError as exc:
         return _error(ApiError(400, str(exc)))
     except EngineClosed as exc:
         return _error(ApiError(503, str(exc), kind="unavailable"))
-    finished = False
+    decoder = state.tokenizer.decoder(generation.prompt)
     try:
-        if parsed.stream:
-            response = await _stream(request, state, parsed, request_id, queue)
-        else:
-            response = await _collect(state, parsed, request_id, queue)
-        finished = True
-        return response
-    finally:
-        if not finished:  # the client went away (or the handler failed): free the request's blocks
-            state.engine.abort(request_id)
-
-
-async def _collect(
-    state: ServerState, parsed: CompletionRequest, request_id: str, queue: asyncio.Queue[RequestOutput]
-) -> web.Response:
-    created = now()
-    tokens: list[int] = []
-    while True:
-        output = await queue.get()
-        tokens += output.token_ids
-        if output.finished:
-            break
-    if output.finish_reason is FinishReason.ERROR:
-        return _error(ApiError(500, f"the engine failed on this request: {output.error}"))
-    text = state.tokenizer.decode(tokens)
-    return web.json_response(completion_response(request_id, parsed.model, created, text, tokens, output))
-
-
-async def _stream(
-    request: web.Request,
-    state: ServerState,
-    parsed: CompletionRequest,
-    request_id: str,
-    queue: asyncio.Queue[RequestOutput],
-) -> web.StreamResponse:
-    created = now()
-    response = web.StreamResponse(headers=_SSE_HEADERS)
-    await response.prepare(request)
-    decoder = StreamDecoder()
-    while True:
-        output = await queue.get()
-        if output.finish_reason is FinishReason.ERROR:
-            message = f"the engine failed on this request: {output.error}"
-            await _event(response, error_body(ApiError(500, message)))
-            break
-        text = decoder.feed(output.token_ids) + (decoder.flush() if output.finished else "")
-        await _event(response, completion_chunk(request_id, parsed.model, created, text, output))
-        if output.finished:
-            break
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
-async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+        return await respond(request, state.engine, generation, shape, queue, request_id, decoder)
+    except ApiError as exc:  # the engine failed the request
+        return _error(exc)

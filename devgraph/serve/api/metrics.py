@@ -1,21 +1,12 @@
 """Prometheus metrics of ``devgraph serve`` (needs the optional ``prometheus_client``).
 
-Latency histograms are observed as tokens leave the engine; everything else is read from the engine's
-and the runners' counters when ``/metrics`` is scraped, so there is one source of truth
-(``runner.stats()`` for replays per key, eager steps by reason and padding). Names:
+Serving metrics use vLLM's names, types and labels (``model_name``, ``engine="0"``) where the meaning is
+the same, so a dashboard built for vLLM reads them unchanged; what only devgraph has keeps a
+``devgraph_`` name. docs/serving.md has the table.
 
-* ``devgraph_serve_time_to_first_token_seconds``, ``devgraph_serve_inter_token_latency_seconds``,
-  ``devgraph_serve_request_latency_seconds`` (histograms);
-* ``devgraph_serve_requests_total{finish_reason}``, ``devgraph_serve_prompt_tokens_total``,
-  ``devgraph_serve_generation_tokens_total``;
-* ``devgraph_serve_requests_running``, ``..._waiting``, ``..._queued``, ``devgraph_serve_kv_blocks_free``,
-  ``devgraph_serve_kv_blocks_total`` (gauges);
-* ``devgraph_engine_steps_total{kind}`` (decode, prefill, mixed), ``devgraph_engine_preemptions_total``,
-  ``devgraph_engine_padding_tokens_total`` (padding the engine adds in deterministic mode);
-* the runners' series from :class:`devgraph.runner.metrics.RunnerCollector` (labels ``phase``, ``backend``):
-  ``devgraph_replays_total{key}``, ``devgraph_eager_steps_total{reason}``, ``devgraph_real_rows_total``,
-  ``devgraph_padded_rows_total``, ``devgraph_lazy_*_total``; plus the gauge
-  ``devgraph_padding_waste_ratio`` (padded rows per real row of replayed steps).
+Latency histograms are observed as outputs leave the engine (times from the request's arrival at the
+HTTP handler, as vLLM times them from its front end); everything else is read from the engine's and the
+runners' counters when ``/metrics`` is scraped, so there is one source of truth.
 """
 
 from __future__ import annotations
@@ -30,10 +21,20 @@ from devgraph.serve.engine.request import RequestOutput
 
 __all__ = ["ServeMetrics", "prometheus_available"]
 
-_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+# vLLM's buckets, with finer ones in front where a graph-replayed step is far below vLLM's first bucket.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+LABELS = ("model_name", "engine")
 
 
 def prometheus_available() -> bool:
@@ -44,46 +45,71 @@ def prometheus_available() -> bool:
     return True
 
 
-class ServeMetrics:
-    """Histograms and counters in a registry of their own, plus a collector over ``stats()``."""
+def _tokens_buckets(max_seq_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to the context (vLLM's ``build_1_2_5_buckets``)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_seq_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], runners: Sequence[Any] = ()) -> None:
+
+class ServeMetrics:
+    """Histograms in a registry of their own, plus collectors over the engine's and the runners' stats."""
+
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        runners: Sequence[Any] = (),
+        *,
+        model_name: str = "",
+        max_seq_len: int = 2048,
+    ) -> None:
         prom = require_extra("prometheus_client", extra="serve", needed_by="GET /metrics")
         self._prom = prom
         self.registry = prom.CollectorRegistry()
-        hist = dict(registry=self.registry, buckets=_LATENCY_BUCKETS)
-        self.ttft = prom.Histogram(
-            "devgraph_serve_time_to_first_token_seconds", "Arrival to first token", **hist
+        labels = (model_name, "0")
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            metric = prom.Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets)
+            return metric.labels(*labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival to first admission to the running batch",
+            _REQUEST_BUCKETS,
         )
-        self.itl = prom.Histogram("devgraph_serve_inter_token_latency_seconds", "Between two tokens", **hist)
-        self.latency = prom.Histogram("devgraph_serve_request_latency_seconds", "Arrival to finish", **hist)
-        self.requests = prom.Counter(
-            "devgraph_serve_requests", "Finished requests", ["finish_reason"], registry=self.registry
+        tokens = _tokens_buckets(max_seq_len)
+        self.prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request", tokens
         )
-        self.prompt_tokens = prom.Counter(
-            "devgraph_serve_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+        self.generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per finished request", tokens
         )
-        self.generation_tokens = prom.Counter(
-            "devgraph_serve_generation_tokens", "Tokens generated", registry=self.registry
-        )
-        self.registry.register(_StatsCollector(prom, stats))
+        self.registry.register(_StatsCollector(stats, labels))
         # The runners' own series (replays per key, eager steps by reason, rows) come from
         # devgraph.runner.metrics.
         self.registry.register(RunnerCollector(runners))
 
-    def observe(self, output: RequestOutput, latency: float | None = None) -> None:
-        """Record one engine output (called from the engine thread; prometheus_client is thread-safe)."""
+    def observe(self, output: RequestOutput, since_arrival: float) -> None:
+        """Record one engine output, ``since_arrival`` seconds after its request reached the server (called
+        from the engine thread; prometheus_client is thread-safe)."""
         if output.ttft is not None:
-            self.ttft.observe(output.ttft)
+            self.ttft.observe(since_arrival)
         if output.itl is not None:
             self.itl.observe(output.itl)
-        if output.token_ids:
-            self.generation_tokens.inc(len(output.token_ids))
         if output.finished:
-            self.requests.labels(str(output.finish_reason)).inc()
-            self.prompt_tokens.inc(output.num_prompt_tokens)
-            if latency is not None:
-                self.latency.observe(latency)
+            self.e2e.observe(since_arrival)
+            self.prompt_tokens.observe(output.num_prompt_tokens)
+            self.generation_tokens.observe(output.num_output_tokens)
+            if output.queue_time is not None:
+                self.queue.observe(output.queue_time)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type (reads the engine's stats: call off the event loop)."""
@@ -91,25 +117,58 @@ class ServeMetrics:
 
 
 class _StatsCollector:
-    def __init__(self, prom: Any, stats: Callable[[], dict[str, Any]]) -> None:
+    """Gauges and counters read from ``stats()`` at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], labels: tuple[str, str]) -> None:
         self._core = importlib.import_module("prometheus_client.core")
         self._stats = stats
+        self._labels = list(labels)
 
     def describe(self) -> list[Any]:
         return []  # collected on demand; nothing to check at registration
 
+    def _family(
+        self, kind: str, name: str, doc: str, value: float, extra: tuple[str, str] | None = None
+    ) -> Any:
+        cls = self._core.GaugeMetricFamily if kind == "gauge" else self._core.CounterMetricFamily
+        names = [*LABELS, *([extra[0]] if extra else [])]
+        family = cls(name, doc, labels=names)
+        family.add_metric([*self._labels, *([extra[1]] if extra else [])], value)
+        return family
+
     def collect(self) -> Iterator[Any]:
         core, stats = self._core, self._stats()
+        total = stats["kv_blocks_total"]
+        waiting = stats["waiting"] + stats.get("queued", 0)
+        yield self._family(
+            "gauge", "vllm:num_requests_running", "Requests in the running batch", stats["running"]
+        )
+        yield self._family("gauge", "vllm:num_requests_waiting", "Requests waiting to be admitted", waiting)
+        usage = 1.0 - stats["kv_blocks_free"] / total if total else 0.0
+        yield self._family(
+            "gauge", "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", usage
+        )
+        yield self._family("counter", "vllm:prompt_tokens", "Prompt tokens processed", stats["prompt_tokens"])
+        yield self._family(
+            "counter", "vllm:generation_tokens", "Tokens generated", stats["generation_tokens"]
+        )
+        yield self._family(
+            "counter", "vllm:num_preemptions", "Requests preempted for KV blocks", stats["preemptions"]
+        )
+        success = core.CounterMetricFamily(
+            "vllm:request_success", "Finished requests by finish reason", labels=[*LABELS, "finished_reason"]
+        )
+        for reason, count in sorted(stats["finished"].items()):
+            success.add_metric([*self._labels, reason], count)
+        yield success
         gauges = (
-            ("devgraph_serve_requests_running", "Requests in the running batch", stats["running"]),
-            ("devgraph_serve_requests_waiting", "Requests waiting for admission", stats["waiting"]),
             (
                 "devgraph_serve_requests_queued",
                 "Requests not yet handed to the engine",
                 stats.get("queued", 0),
             ),
             ("devgraph_serve_kv_blocks_free", "Free KV-cache blocks", stats["kv_blocks_free"]),
-            ("devgraph_serve_kv_blocks_total", "KV-cache blocks requests can own", stats["kv_blocks_total"]),
+            ("devgraph_serve_kv_blocks_total", "KV-cache blocks requests can own", total),
         )
         for name, doc, value in gauges:
             yield core.GaugeMetricFamily(name, doc, value=value)
@@ -117,9 +176,6 @@ class _StatsCollector:
         for kind in ("decode", "prefill", "mixed"):
             steps.add_metric([kind], stats["steps"].get(kind, 0))
         yield steps
-        yield core.CounterMetricFamily(
-            "devgraph_engine_preemptions", "Requests preempted for KV blocks", value=stats["preemptions"]
-        )
         yield core.CounterMetricFamily(
             "devgraph_engine_padding_tokens",
             "Padding tokens the engine added (deterministic mode)",

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError, InputError
+from devgraph.errors import InputError
 from devgraph.flag.config import DeviceGraphConfig
 from devgraph.messages import shorten
-from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.model import ReferenceModel
 from devgraph.reference.runners import decode_runner, prefill_runner
 from devgraph.runner.capture.loop import CaptureReport
@@ -29,41 +28,21 @@ from devgraph.serve.engine.allocator import BlockAllocator, BlockTables
 from devgraph.serve.engine.batch import StepBatch, decode_batch, prefill_batch
 from devgraph.serve.engine.config import EngineConfig
 from devgraph.serve.engine.limits import cap_phase_sizes
-from devgraph.serve.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status
+from devgraph.serve.engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
+    TokenLogprob,
+)
 from devgraph.serve.engine.sampler import Sampler
 from devgraph.serve.engine.scheduler import Scheduler
+from devgraph.serve.engine.warmup import check_warm_up_fits, warm_up_lengths
 
-__all__ = ["Engine", "check_warm_up_fits"]
+__all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
-
-#: The start-up warm-up's longer prompt and its output (tokens), both cut to the context.
-WARMUP_PROMPT = 100
-WARMUP_OUTPUT = 2
-
-
-def _warm_up_lengths(config: ReferenceConfig) -> tuple[int, int]:
-    """The warm-up's longer prompt and its ``max_tokens``, cut so the request fits any context of two or
-    more tokens (the smallest ``--max-seq-len``): the warm-up is the server's, never the user's problem."""
-    output = max(1, min(WARMUP_OUTPUT, config.max_seq_len - 1))
-    return max(1, min(WARMUP_PROMPT, config.max_seq_len - output)), output
-
-
-def check_warm_up_fits(config: ReferenceConfig) -> int:
-    """The warm-up's longer prompt length; :class:`ConfigError` naming the ``--num-blocks`` it needs when
-    the KV cache cannot hold that request (call it before allocating anything)."""
-    longest, output = _warm_up_lengths(config)
-    tokens = longest + output
-    needed = -(-tokens // config.block_size)
-    usable = config.total_blocks - 1  # block 0 is scratch
-    if needed > usable:
-        raise ConfigError(
-            f"the KV cache is too small for the start-up warm-up: {usable} usable block(s) of "
-            f"{config.block_size} positions hold {usable * config.block_size} tokens, the warm-up request "
-            f"needs {tokens} ({needed} blocks); raise num_blocks (--num-blocks) to at least {needed + 1} "
-            "(block 0 is scratch)"
-        )
-    return longest
 
 
 class Engine:
@@ -120,6 +99,8 @@ class Engine:
         self.step_counts: Counter[str] = Counter()
         self.engine_padding = 0
         self.finished_count: Counter[str] = Counter()
+        self.prompt_tokens = 0  # prompts of requests that got their first token
+        self.generation_tokens = 0  # tokens handed out (stop tokens are not)
         if capture:
             self.capture()
 
@@ -133,11 +114,12 @@ class Engine:
         initialisation, kernel compilation in eager mode) do not land on the first real request; then
         zero every counter. :class:`ConfigError` when the KV cache cannot hold the longer one."""
         longest = check_warm_up_fits(self.model_config)
-        output = _warm_up_lengths(self.model_config)[1]
+        output = warm_up_lengths(self.model_config)[1]
         self.generate([[0], [1] * longest], SamplingParams(max_tokens=output))
         self.step_counts.clear()
         self.finished_count.clear()
         self.engine_padding = 0
+        self.prompt_tokens = self.generation_tokens = 0
         self.scheduler.preemptions = 0
         self.decode_runner.reset_stats()
         self.prefill_runner.reset_stats()
@@ -189,12 +171,14 @@ class Engine:
         self.scheduler.add(request)
         return request
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request and free its blocks; ``None`` if it is not (or no longer) in the engine."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+        """End a request and free its blocks; ``None`` if it is not (or no longer) in the engine.
+
+        ``reason``: ``ABORT`` (cancelled), or ``STOP`` when the caller found a stop string in its text."""
         request = self._requests.get(request_id)
         if request is None:
             return None
-        return self._finish(request, FinishReason.ABORT, [])
+        return self._finish(request, reason, [])
 
     @property
     def has_work(self) -> bool:
@@ -270,29 +254,37 @@ class Engine:
         rows = [i for i, s in enumerate(batch.samples) if s]
         sampled_requests = [batch.requests[i] for i in rows]
         tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
         if rows:
             if len(rows) != logits.shape[0]:
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            tokens = self.sampler.sample(logits, sampled_requests)
+            tokens, logprobs = self.sampler.sample_step(logits, sampled_requests)
         for request, length in zip(batch.requests, batch.lengths, strict=True):
             request.num_computed += length
         now = time.monotonic()
-        return [self._accept(r, t, now) for r, t in zip(sampled_requests, tokens, strict=True)]
+        return [
+            self._accept(r, t, now, lp) for r, t, lp in zip(sampled_requests, tokens, logprobs, strict=True)
+        ]
 
-    def _accept(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _accept(
+        self, request: Request, token: int, now: float, logprob: TokenLogprob | None
+    ) -> RequestOutput:
         params = request.params
         ttft = itl = None
         if request.first_token_time is None:
             request.first_token_time = now
             ttft = now - request.arrival_time
+            self.prompt_tokens += len(request.prompt)
         elif request.last_token_time is not None:
             itl = now - request.last_token_time
         request.last_token_time = now
         if token in request.stop_ids:
             return self._finish(request, FinishReason.STOP, [], ttft=ttft)
         request.output.append(token)
+        self.generation_tokens += 1
+        logprobs = None if logprob is None else [logprob]
         if len(request.output) >= params.max_tokens or request.num_tokens >= self.model_config.max_seq_len:
-            return self._finish(request, FinishReason.LENGTH, [token], ttft=ttft, itl=itl)
+            return self._finish(request, FinishReason.LENGTH, [token], ttft=ttft, itl=itl, logprobs=logprobs)
         return RequestOutput(
             request.request_id,
             [token],
@@ -300,6 +292,7 @@ class Engine:
             num_output_tokens=len(request.output),
             ttft=ttft,
             itl=itl,
+            logprobs=logprobs,
         )
 
     def _finish(
@@ -311,6 +304,7 @@ class Engine:
         error: str | None = None,
         ttft: float | None = None,
         itl: float | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         self.scheduler.remove(request)
         self._requests.pop(request.request_id, None)
@@ -326,6 +320,10 @@ class Engine:
             error=error,
             ttft=ttft,
             itl=itl,
+            logprobs=logprobs,
+            queue_time=None
+            if request.scheduled_time is None
+            else request.scheduled_time - request.arrival_time,
         )
 
     # -- conveniences --------------------------------------------------------------------------------
@@ -348,6 +346,8 @@ class Engine:
             "waiting": self.num_waiting,
             "kv_blocks_free": self.allocator.num_free,
             "kv_blocks_total": self.allocator.capacity,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
             "steps": dict(self.step_counts),
             "preemptions": self.scheduler.preemptions,
             "engine_padding_tokens": self.engine_padding,

@@ -40,7 +40,7 @@ class EngineLoop:
         self.engine = engine
         self._cond = threading.Condition()
         self._adds: list[tuple[str, list[int], SamplingParams, Sink]] = []
-        self._aborts: list[str] = []
+        self._aborts: list[tuple[str, FinishReason]] = []
         self._sinks: dict[str, Sink] = {}
         self._ids = itertools.count()
         self._closing = False
@@ -63,9 +63,11 @@ class EngineLoop:
             self._cond.notify()
         return request_id
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request at the next step: ``ABORT`` (its client went away) or ``STOP`` (its text reached
+        a stop string)."""
         with self._cond:
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, reason))
             self._cond.notify()
 
     def in_flight(self) -> int:
@@ -113,7 +115,11 @@ class EngineLoop:
                     return
                 self._step()
 
-    def _apply(self, adds: list[tuple[str, list[int], SamplingParams, Sink]], aborts: list[str]) -> None:
+    def _apply(
+        self,
+        adds: list[tuple[str, list[int], SamplingParams, Sink]],
+        aborts: list[tuple[str, FinishReason]],
+    ) -> None:
         for request_id, tokens, params, sink in adds:
             self._sinks[request_id] = sink
             try:
@@ -121,8 +127,8 @@ class EngineLoop:
             except Exception as exc:  # checked at submit; a failure here is a bug, reported per request
                 logger.warning("adding request %s failed: %r", request_id, exc)
                 self._deliver(RequestOutput(request_id, [], True, FinishReason.ERROR, error=repr(exc)))
-        for request_id in aborts:
-            self._deliver(self.engine.abort(request_id))
+        for request_id, reason in aborts:
+            self._deliver(self.engine.abort(request_id, reason))
 
     def _step(self) -> None:
         if not self.engine.has_work:

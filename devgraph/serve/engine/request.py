@@ -12,6 +12,7 @@ from devgraph.errors import InputError
 from devgraph.messages import shorten
 
 __all__ = [
+    "MAX_LOGPROBS",
     "MAX_STOP_TOKEN_IDS",
     "MIN_TEMPERATURE",
     "MIN_TOP_P",
@@ -20,6 +21,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "Status",
+    "TokenLogprob",
 ]
 
 #: The smallest non-zero temperature: logits divided by less overflow float32 (and sample like greedy).
@@ -28,6 +30,8 @@ MIN_TEMPERATURE = 1e-4
 MIN_TOP_P = 1e-4
 #: Stop token ids per request: every sampled token is checked against them.
 MAX_STOP_TOKEN_IDS = 64
+#: The most alternatives a request may ask logprobs of (vLLM's default limit; OpenAI's chat allows 20).
+MAX_LOGPROBS = 20
 
 
 class FinishReason(str, enum.Enum):
@@ -53,7 +57,10 @@ class SamplingParams:
     """How to pick tokens: greedy when ``temperature == 0``, else seeded temperature + top-p sampling.
 
     ``temperature`` is 0 or from :data:`MIN_TEMPERATURE` to 100; ``top_p`` from :data:`MIN_TOP_P` to 1;
-    ``seed`` a non-negative int (or ``None``); at most :data:`MAX_STOP_TOKEN_IDS` stop token ids.
+    ``top_k`` keeps the ``k`` most likely tokens (0: all); ``seed`` a non-negative int (or ``None``); at
+    most :data:`MAX_STOP_TOKEN_IDS` stop token ids. ``logprobs``: ``None`` for none, else the log
+    probability of each sampled token under the model's raw distribution (before temperature, top-p and
+    top-k) and of the ``logprobs`` most likely tokens, up to :data:`MAX_LOGPROBS`.
 
     The same ``seed``, prompt and parameters give the same tokens whenever the model's logits are the
     same (always in the engine's ``deterministic`` mode; see :class:`~devgraph.serve.engine.Engine`).
@@ -65,6 +72,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -89,6 +98,16 @@ class SamplingParams:
             )
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise InputError(f"stop token ids must be ints, got {shorten(self.stop_token_ids)}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"top_k must be an int >= 0 (0: every token), got {shorten(self.top_k)}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InputError(
+                f"logprobs must be an int from 0 to {MAX_LOGPROBS}, got {shorten(self.logprobs)}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +129,7 @@ class Request:
     params: SamplingParams
     arrival: int  # admission order: FCFS, and "newest" when choosing whom to preempt
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first admission to the running batch
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     row: int | None = None  # block-table row while running
@@ -150,10 +170,22 @@ class Request:
         return self.prompt[start:] + self.output[: start + count - n]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability and the ``top`` most likely tokens' (id, log probability), most
+    likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request: its new token ids (empty on a finish without a token, such
-    as a stop token or an abort) and, on the last output, why it finished."""
+    as a stop token or an abort) and, on the last output, why it finished. ``logprobs``: one entry per
+    token id when the request asked for them. ``queue_time``: seconds from arrival to first admission
+    (on the last output)."""
 
     request_id: str
     token_ids: list[int]
@@ -164,3 +196,5 @@ class RequestOutput:
     error: str | None = None
     ttft: float | None = None  # seconds from arrival to this (first) token
     itl: float | None = None  # seconds since the request's previous token
+    logprobs: list[TokenLogprob] | None = None
+    queue_time: float | None = None

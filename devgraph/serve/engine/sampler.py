@@ -1,15 +1,21 @@
-"""Picking each request's next token from its logits: greedy, or seeded temperature + top-p sampling.
+"""Picking each request's next token from its logits: greedy, or seeded temperature + top-k + top-p
+sampling; and the log probabilities a request asks for.
 
 Greedy is ``argmax`` (the lowest id among equal maxima). Sampling draws one uniform number per token
 from the request's own ``random.Random(seed)`` on the host, then inverts the cumulative distribution of
-the top-p set on the device: tokens sorted by probability (a stable sort, so ties keep id order), the
-smallest prefix whose mass reaches ``top_p`` kept, and the first token whose cumulative mass exceeds
-``u * kept_mass`` chosen. Nothing depends on other rows of the batch or on a global generator, so the
-same seed and the same logits give the same token whatever else runs in the step.
+the kept set on the device: tokens sorted by probability (a stable sort, so ties keep id order), the
+first ``top_k`` of them (all when 0) and of those the smallest prefix whose mass reaches ``top_p`` kept,
+and the first token whose cumulative mass exceeds ``u * kept_mass`` chosen. Nothing depends on other
+rows of the batch or on a global generator, so the same seed and the same logits give the same token
+whatever else runs in the step.
 
 A row whose distribution cannot be sampled (logits that are not finite, or a temperature so small that
 the scaled logits overflow) falls back to greedy for that row alone: one request's numbers never fail
 the other requests of its step.
+
+Log probabilities (for requests that ask) are the model's raw distribution, ``log_softmax`` of the
+float32 logits before temperature, top-k and top-p (what vLLM returns by default): the sampled token's
+and the most likely ones'.
 """
 
 from __future__ import annotations
@@ -18,38 +24,76 @@ from collections.abc import Sequence
 
 import torch
 
-from devgraph.serve.engine.request import Request
+from devgraph.serve.engine.request import Request, TokenLogprob
 
 __all__ = ["Sampler"]
 
 
 class Sampler:
-    """Samples one token per logits row; one device-to-host copy per call."""
+    """Samples one token per logits row; one device-to-host copy per call (two with logprobs)."""
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """``logits [R, V]`` (any float dtype), ``requests[r]`` owns row ``r``."""
+        return self.sample_step(logits, requests)[0]
+
+    def sample_step(
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Each row's token and, for requests with ``logprobs`` set, its log probabilities."""
+        tokens = self._tokens(logits, requests)
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        host = [int(t) for t in tokens.tolist()]
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        if wanted:
+            for i, entry in zip(wanted, _logprobs(logits, tokens, wanted, requests), strict=True):
+                logprobs[i] = entry
+        return host, logprobs
+
+    def _tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not sampled:
-            return [int(t) for t in greedy.tolist()]
+            return greedy
         device = logits.device
         rows = torch.tensor(sampled, dtype=torch.int64, device=device)
         params = [requests[i].params for i in sampled]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.int64, device=device)
         uniform = torch.tensor(
             [requests[i].rng.random() for i in sampled],  # type: ignore[union-attr]
             dtype=torch.float32,
             device=device,
         )
-        picked = _top_p_sample(logits.index_select(0, rows).float(), temperature, top_p, uniform)
+        picked = _sample(logits.index_select(0, rows).float(), temperature, top_p, top_k, uniform)
         picked = torch.where(picked >= 0, picked, greedy.index_select(0, rows))
-        tokens = greedy.index_copy(0, rows, picked)
-        return [int(t) for t in tokens.tolist()]
+        return greedy.index_copy(0, rows, picked)
 
 
-def _top_p_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+def _logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], requests: Sequence[Request]
+) -> list[TokenLogprob]:
+    rows = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
+    logp = logits.index_select(0, rows).float().log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens.index_select(0, rows)[:, None])[:, 0].tolist()
+    most = max(requests[i].params.logprobs or 0 for i in wanted)
+    top_values, top_ids = logp.topk(max(most, 1), dim=-1)
+    values, ids, picked = top_values.tolist(), top_ids.tolist(), tokens.index_select(0, rows).tolist()
+    entries = []
+    for j, i in enumerate(wanted):
+        count = requests[i].params.logprobs or 0
+        top = tuple(zip(ids[j][:count], values[j][:count], strict=True))
+        entries.append(TokenLogprob(int(picked[j]), float(chosen[j]), top))
+    return entries
+
+
+def _sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    uniform: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row, or -1 where the row's distribution is not finite (the caller's greedy then)."""
     probs = torch.softmax(logits / temperature[:, None], dim=-1)
@@ -57,7 +101,8 @@ def _top_p_sample(
     probs = torch.where(usable[:, None], probs, torch.zeros_like(probs))
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the tokens ranked above each one
-    kept = before < top_p[:, None]
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    kept = (before < top_p[:, None]) & (rank[None, :] < top_k[:, None])
     kept[:, 0] = True  # the most likely token always stays, even where top_p rounds to 0 in float32
     kept_probs = sorted_probs * kept
     cumulative = kept_probs.cumsum(dim=-1)

@@ -17,6 +17,7 @@ chunks); otherwise decodes run in a step of their own and the budget applies to 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -149,6 +150,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.row = self.tables.acquire()
             self.running.append(request)
             taken = self._add_chunk(request, budget, schedule)

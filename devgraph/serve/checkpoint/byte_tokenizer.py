@@ -1,4 +1,4 @@
-"""A byte-level tokenizer, so ``curl`` can send text to a random-weight model that has no vocabulary.
+"""A byte-level tokenizer, so ``curl`` can send text to a random-weight preset that has no vocabulary.
 
 The rule, both ways:
 
@@ -14,7 +14,10 @@ character split across tokens until the character is complete.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from devgraph.serve.checkpoint.text import ChatTemplateError
 
 __all__ = ["ByteTokenizer", "StreamDecoder"]
 
@@ -46,7 +49,14 @@ class StreamDecoder:
 
 
 class ByteTokenizer:
-    """Text to token ids and back, one token per UTF-8 byte (see the module docstring)."""
+    """Text to token ids and back, one token per UTF-8 byte (see the module docstring). No chat template
+    and no end-of-sequence token: a preset's model is random."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return False
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -54,3 +64,24 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         decoder = StreamDecoder()
         return decoder.feed(ids) + decoder.flush()
+
+    def decoder(self, prompt: Sequence[int] = ()) -> StreamDecoder:
+        return StreamDecoder()
+
+    def token_text(self, token: int) -> str:
+        return (
+            bytes((token,)).decode("utf-8", errors="replace") if 0 <= token < BYTE_TOKENS else f"<|{token}|>"
+        )
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> list[int]:
+        raise ChatTemplateError(
+            "this server runs a random-weight preset, which has no chat template: use /v1/completions, "
+            "or serve a checkpoint with a chat template (devgraph serve --model DIR)"
+        )

@@ -1,0 +1,149 @@
+"""The decoder's elementwise steps, one function each, in two forms.
+
+* torch (``fused=False``): the operations transformers runs, in its order (the CPU always, and a GPU
+  without Triton): an RMSNorm is six kernels, the per-head q/k norm and RoPE fifteen, SiLU-and-multiply two.
+* Triton (``fused=True``): one kernel each (``devgraph.reference.kernels.triton_fused``), as torch custom
+  ops: opaque to dynamo and inductor (the compiling strategies keep each as one call, as they keep the
+  attention kernels) and captured whole by device graphs. They round where the torch form rounds, so they
+  differ from it only in a reduction's order and a math function's last bit.
+
+On a GPU a decode step of the reference decoder launches about 40 kernels per layer in the torch form and
+about 12 in the fused one; in a replayed graph, where launches are cheap but every kernel still costs
+microseconds, that is most of the step.
+
+``fused_kernels(kernels, device)``: whether a model built for ``device`` with ``config.kernels`` uses the
+Triton form (``torch``: no; ``auto``: on a CUDA device when triton imports; ``triton``: on a CUDA device,
+or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``).
+"""
+
+# No ``from __future__ import annotations`` here: torch derives the operator schemas from the annotations.
+
+import functools
+import importlib
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from devgraph.reference.rope import apply_rope
+
+__all__ = ["add_rms_norm", "fused_kernels", "qk_norm_rope", "rms_norm", "silu_mul"]
+
+
+@functools.lru_cache(maxsize=1)
+def _triton() -> bool:
+    try:
+        importlib.import_module("devgraph.reference.kernels.triton_fused")
+    except ImportError:
+        return False
+    return True
+
+
+def fused_kernels(kernels: str, device: torch.device) -> bool:
+    """Whether the Triton form runs for ``config.kernels`` on ``device`` (see the module docstring)."""
+    if kernels == "triton":
+        return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return kernels == "auto" and device.type == "cuda" and _triton()
+
+
+def _ops():  # type: ignore[no-untyped-def]
+    return importlib.import_module("devgraph.reference.kernels.triton_fused")
+
+
+# -- torch forms ---------------------------------------------------------------------------------------
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+# -- custom ops over the Triton kernels ------------------------------------------------------------------
+@torch.library.custom_op("devgraph_ref::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _ops().rms_norm(x, weight, eps)[0]
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("devgraph_ref::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, total = _ops().rms_norm(x, weight, eps, residual)
+    return normed, total
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("devgraph_ref::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(
+    qk: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch derives the op schema from it
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    return _ops().qk_norm_rope(qk, weight, cos, sin, eps)
+
+
+@_qk_norm_rope_op.register_fake
+def _(qk, weight, cos, sin, eps):  # type: ignore[no-untyped-def]
+    return torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+
+
+@torch.library.custom_op("devgraph_ref::silu_mul", mutates_args=())
+def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _ops().silu_mul(gate_up)
+
+
+@_silu_mul_op.register_fake
+def _(gate_up):  # type: ignore[no-untyped-def]
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+# -- the steps -----------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:
+    """RMSNorm of ``x [N, H]`` over its last dimension, scaled by ``weight [H]``."""
+    return _rms_norm_op(x, weight, eps) if fused else _torch_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: the residual stream and its norm in one step."""
+    if fused:
+        return _add_rms_norm_op(x, residual, weight, eps)
+    total = residual + x
+    return _torch_rms_norm(total, weight, eps), total
+
+
+def qk_norm_rope(
+    qk: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - kept alike the op's signature
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    fused: bool,
+) -> torch.Tensor:
+    """Queries and keys ``qk [T, H, D]``: each head RMS-normed with its row of ``weight [H, D]`` (when
+    given), then rotated with ``cos``/``sin [T, D/2]`` (in ``qk``'s dtype)."""
+    if fused:
+        return _qk_norm_rope_op(qk, weight, cos, sin, eps)
+    if weight is not None:
+        qk = _torch_rms_norm(qk, weight, eps)
+    return apply_rope(qk, cos[:, None], sin[:, None])
+
+
+def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I]`` (the fused gate/up projection's output)."""
+    if fused:
+        return _silu_mul_op(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

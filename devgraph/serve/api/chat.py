@@ -1,0 +1,197 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, and the
+``chat.completion`` responses.
+
+Fields beyond the shared ones (``fields.py``): ``messages`` (required: objects with a ``role`` of
+system, developer, user, assistant or tool and a ``content`` that is a string or a list of text parts),
+``max_completion_tokens`` / ``max_tokens`` (default: the rest of the context), ``logprobs`` (true/false)
+and ``top_logprobs`` (0 to 20, with ``logprobs``), and the template's own knobs as vLLM takes them:
+``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt``
+(default true) and ``continue_final_message``. Images, audio and tool calls are refused.
+
+A streamed answer opens with a chunk holding ``{"role": "assistant", "content": ""}``, then one chunk per
+step with the new text; with ``stream_options.include_usage`` a last chunk has ``choices: []`` and the
+usage. Choices and deltas also carry ``token_ids`` (devgraph's addition).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from devgraph.messages import shorten
+from devgraph.serve.api.fields import (
+    COMMON_FIELDS,
+    Generation,
+    as_bool,
+    as_int,
+    check_fields,
+    include_usage,
+    sampling,
+)
+from devgraph.serve.api.protocol import ApiError, check_model
+from devgraph.serve.checkpoint.text import Tokenizer
+from devgraph.serve.engine.request import MAX_LOGPROBS, TokenLogprob
+
+__all__ = ["ChatShape", "parse_chat"]
+
+FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
+
+
+def parse_chat(
+    body: Any,
+    tokenizer: Tokenizer,
+    served: str,
+    *,
+    context: int,
+    defaults: Mapping[str, Any],
+    eos_token_ids: tuple[int, ...],
+) -> tuple[Generation, ChatShape]:
+    """The checked request, its prompt rendered by the chat template, and how to shape its responses;
+    :class:`ApiError` naming the field (a template that refuses the messages: 400 with its reason)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    check_model(body.get("model"), served)
+    check_fields(body, FIELDS, "POST /v1/chat/completions")
+    messages = _messages(body.get("messages"))
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(
+            400,
+            f"chat_template_kwargs must be an object, got {shorten(kwargs)}",
+            param="chat_template_kwargs",
+        )
+    continue_final = as_bool(body, "continue_final_message", False)
+    add_prompt = as_bool(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_prompt:
+        raise ApiError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="add_generation_prompt",
+        )
+    prompt = tokenizer.chat_prompt(
+        messages,
+        add_generation_prompt=add_prompt,
+        continue_final_message=continue_final,
+        template_kwargs=kwargs,
+    )
+    top = _top_logprobs(body)
+    stream = as_bool(body, "stream", False)
+    limit = as_int(body, "max_completion_tokens", None)
+    limit = as_int(body, "max_tokens", None) if limit is None else limit
+    max_tokens = limit if limit is not None else max(1, context - len(prompt))
+    params, stops, include_stop = sampling(
+        body, max_tokens=max_tokens, defaults=defaults, eos_token_ids=eos_token_ids, logprobs=top
+    )
+    generation = Generation(prompt, params, stream, include_usage(body, stream), stops, include_stop, served)
+    return generation, ChatShape(tokenizer)
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    checked = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} must be an object, got {shorten(message)}", param="messages")
+        extra = sorted(set(message) - _MESSAGE_KEYS)
+        if extra:
+            raise ApiError(400, f"{where} has fields devgraph serve does not take: {extra}", param="messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(
+                400, f"{where}.role must be one of {', '.join(ROLES)}, got {shorten(role)}", param="messages"
+            )
+        checked.append({**message, "content": _content(message.get("content"), where)})
+    return checked
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's text: a string, or text parts joined by newlines (other parts are refused)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(
+                    400,
+                    f"{where}.content: only text parts are served (got {shorten(kind or part)}); "
+                    "devgraph serve runs text-only models",
+                    param="messages",
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ApiError(
+        400,
+        f"{where}.content must be a string or a list of text parts, got {shorten(value)}",
+        param="messages",
+    )
+
+
+def _top_logprobs(body: Mapping[str, Any]) -> int | None:
+    wanted = as_bool(body, "logprobs", False)
+    top = as_int(body, "top_logprobs", None)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}", param="top_logprobs")
+    if top and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+class ChatShape:
+    """``chat.completion`` bodies and ``chat.completion.chunk`` stream chunks."""
+
+    object = "chat.completion"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.tokenizer.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        content = []
+        for e in entries:
+            item = self._entry(e.token, e.logprob)
+            item["top_logprobs"] = [self._entry(i, lp) for i, lp in e.top]
+            content.append(item)
+        return {"content": content}
+
+    def first(self) -> dict[str, Any] | None:
+        delta = {"role": "assistant", "content": ""}
+        return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
+    def chunk(
+        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
+    ) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": text, "token_ids": ids} if text or ids else {}
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
+        return {"choices": [choice]}
+
+    def whole(
+        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
+    ) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        choice = {
+            "index": 0,
+            "message": message,
+            "token_ids": ids,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish,
+        }
+        return {"choices": [choice]}

@@ -1,0 +1,230 @@
+"""Start-up of ``devgraph serve``, stage by stage: the model source, the limits, the KV cache, the weights,
+the graphs, the warm-up.
+
+Each stage is a function of its own and is timed (``Startup.times``, reported by ``/v1/engine/stats`` and
+logged at INFO), so a log shows where start-up is and where its seconds went:
+
+1. :func:`open_source`: ``--model`` (a preset or a checkpoint directory: config, tokenizer and
+   generation config read, refused with every reason when the checkpoint is not servable);
+2. the model's config with the flags applied, then the KV cache checked against free memory (less the
+   weights still to load) and against the warm-up, before anything is allocated;
+3. the weights: drawn (preset) or loaded tensor by tensor (checkpoint);
+4. the graphs: the engine's runners capture (``Engine(capture=True)``);
+5. the warm-up requests (in ``server.py``, which then listens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from devgraph.errors import ConfigError
+from devgraph.flag.config import DeviceGraphConfig
+from devgraph.flag.factory import resolve_platform, usable_platform
+from devgraph.reference.config import ReferenceConfig
+from devgraph.reference.kernels.backends import auto_fallback_note
+from devgraph.serve.checkpoint.source import ModelSource, open_model
+from devgraph.serve.engine.config import EngineConfig
+from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.warmup import check_warm_up_fits
+
+__all__ = [
+    "Startup",
+    "build_engine",
+    "check_kv_memory",
+    "device_defaults",
+    "kv_cache_bytes",
+    "open_source",
+    "weight_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The KV cache may take at most this share of the device's free memory (weights and steps need the rest).
+KV_MEMORY_SHARE = 0.9
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+
+@dataclass
+class Startup:
+    """Seconds per start-up stage (``model_read_s``, ``weights_s``, ``graphs_s``, ``warm_up_s``) and what
+    the weights were."""
+
+    times: dict[str, float] = field(default_factory=dict)
+    weights: str = ""
+
+    def report(self) -> dict[str, Any]:
+        return {**{k: round(v, 3) for k, v in self.times.items()}, "weights": self.weights}
+
+
+def device_defaults(device: torch.device) -> dict[str, Any]:
+    """Defaults that depend on the device: a small model and batch on the CPU, Qwen3-0.6B's shape on a GPU."""
+    if device.type == "cpu":
+        return {"preset": "tiny", "max_running_requests": 8, "token_budget": 64}
+    return {"preset": "qwen3-0.6b", "max_running_requests": 32, "token_budget": 2048}
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    # The demo's check: `--device cuda` on a CPU-only torch is one line saying why, not an AssertionError.
+    platform = usable_platform(args.device)
+    return torch.device(args.device) if args.device else platform.default_device()
+
+
+def _model_value(args: argparse.Namespace, device: torch.device) -> str:
+    model, preset = getattr(args, "model", None), getattr(args, "preset", None)
+    if model is not None and preset is not None:
+        raise ConfigError(f"give --model or --preset, not both (--model {model} --preset {preset})")
+    return model or preset or device_defaults(device)["preset"]
+
+
+def open_source(args: argparse.Namespace, startup: Startup | None = None) -> ModelSource:
+    """The model ``--model`` (or ``--preset``) names, read but not built; timed as ``model_read_s``."""
+    start = time.perf_counter()
+    template = getattr(args, "chat_template", None)
+    source = open_model(_model_value(args, _device(args)), Path(template) if template else None)
+    if startup is not None:
+        startup.times["model_read_s"] = time.perf_counter() - start
+    return source
+
+
+def _batch_limits(
+    args: argparse.Namespace, defaults: dict[str, Any], device: torch.device
+) -> tuple[int, int]:
+    """``--max-running-requests`` and ``--token-budget`` (defaults filled in); :class:`ConfigError` naming
+    the flags, and the values that work, when a step could not hold every running request."""
+    running = args.max_running_requests or defaults["max_running_requests"]
+    budget = args.token_budget or max(defaults["token_budget"], running)
+    if budget < running:
+        given = "" if args.max_running_requests else f", the default on {device.type}"
+        raise ConfigError(
+            f"--token-budget {budget} is below --max-running-requests {running}{given}: every running "
+            f"request must fit one step; give --token-budget {running} or more, or --max-running-requests "
+            f"{budget} or less"
+        )
+    return running, budget
+
+
+def build_engine(
+    args: argparse.Namespace, source: ModelSource | None = None, startup: Startup | None = None
+) -> Engine:
+    """The model and engine the flags describe, graphs captured. Logs each start-up stage (model and KV
+    cache, the weights, each graph captured, the capture table) at INFO, so a log shows where start-up
+    is; ``startup`` (if given) gets each stage's seconds."""
+    startup = startup if startup is not None else Startup()
+    device = _device(args)
+    defaults = device_defaults(device)
+    running, budget = _batch_limits(args, defaults, device)
+    source = source if source is not None else open_source(args, startup)
+    overrides: dict[str, Any] = {"max_requests": running}
+    for name in ("dtype", "num_blocks", "max_seq_len", "attention"):
+        overrides[name] = getattr(args, name, None)
+    model_config = source.model_config(overrides)
+    # Before allocating (or capturing) anything: the cache must fit the memory and the warm-up.
+    loading = 0 if source.is_preset else weight_bytes(model_config)
+    check_kv_memory(model_config, _free_bytes(device), device, loading)
+    check_warm_up_fits(model_config)
+    _warn_small_cache(model_config)
+    engine_config = EngineConfig(
+        max_running_requests=running,
+        token_budget=budget,
+        mixed_steps=not args.no_mixed_steps,
+        deterministic=args.deterministic,
+    )
+    logger.info(
+        "building the model: %s (%s, %d layers, context %d) on %s; KV cache %.1f MiB (%d blocks of %d "
+        "positions)",
+        source.describe(),
+        str(model_config.dtype).removeprefix("torch."),
+        model_config.num_layers,
+        model_config.max_seq_len,
+        device,
+        kv_cache_bytes(model_config) / MiB,
+        model_config.total_blocks,
+        model_config.block_size,
+    )
+    note = auto_fallback_note(model_config.kernels, device)
+    if note:
+        logger.warning("%s", note)
+    built = source.build(model_config, device, args.seed, getattr(args, "progress", None))
+    startup.times["weights_s"] = built.seconds
+    startup.weights = built.how
+    logger.info(
+        "model ready in %.1f s: weights %.1f MiB, %s", built.seconds, built.weight_bytes / MiB, built.how
+    )
+    mode = args.device_graph_mode
+    graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
+    logger.info("capturing graphs (--device-graph-mode %s)", graphs.source)
+    start = time.perf_counter()
+    engine = Engine(built.model, engine_config, device_graph_mode=graphs, progress=args.progress)
+    startup.times["graphs_s"] = time.perf_counter() - start
+    logger.info("graphs ready in %.1f s", startup.times["graphs_s"])
+    return engine
+
+
+def kv_cache_bytes(config: ReferenceConfig) -> int:
+    """Bytes of the paged K and V caches of every layer."""
+    per_block = config.block_size * config.num_kv_heads * config.head_dim * config.dtype.itemsize
+    return 2 * config.num_layers * config.total_blocks * per_block
+
+
+def weight_bytes(config: ReferenceConfig) -> int:
+    """Bytes of the model's weights (embedding, layers, final norm, an untied LM head)."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    layer += 2 * c.hidden_size + (q + 2 * kv if c.qkv_bias else 0)
+    layer += (c.num_heads + c.num_kv_heads) * c.head_dim if c.qk_norm else 0
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
+    return (embeddings + c.num_layers * layer + c.hidden_size) * c.dtype.itemsize
+
+
+def check_kv_memory(
+    config: ReferenceConfig, free_bytes: int | None, device: Any = "the device", loading: int = 0
+) -> None:
+    """:class:`ConfigError` (one line: the size and the flags that lower it) when the KV cache would take
+    more than :data:`KV_MEMORY_SHARE` of ``free_bytes`` less ``loading`` (weights still to load); nothing
+    when the free memory is unknown."""
+    if free_bytes is None:
+        return
+    needed = kv_cache_bytes(config)
+    available = free_bytes - loading
+    if needed <= KV_MEMORY_SHARE * available:
+        return
+    weights = f" and the weights need {loading / GiB:.1f} GiB of it" if loading else ""
+    raise ConfigError(
+        f"the KV cache needs {needed / GiB:.1f} GiB ({config.total_blocks} blocks of {config.block_size} "
+        f"positions, {config.num_layers} layers, K and V) but {device} has {free_bytes / GiB:.1f} GiB free"
+        f"{weights}: lower --max-seq-len, --num-blocks (default: enough for --max-running-requests requests "
+        "of --max-seq-len tokens) or --max-running-requests"
+    )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    try:
+        if device.type == "cuda" and device.index is not None:  # that GPU, not the current one
+            return int(torch.cuda.mem_get_info(device)[0])
+        return int(resolve_platform(device).mem_get_info()[0])
+    except Exception:  # unknown: the allocation itself will say
+        return None
+
+
+def _warn_small_cache(config: ReferenceConfig) -> None:
+    usable = config.total_blocks - 1  # block 0 is scratch
+    full = config.max_blocks_per_request
+    if usable < full:
+        logger.warning(
+            "the KV cache holds %d tokens (%d usable blocks of %d), less than one request of the full "
+            "context (%d tokens): longer requests get 400; --num-blocks %d or more holds one",
+            usable * config.block_size,
+            usable,
+            config.block_size,
+            config.max_seq_len,
+            full + 1,
+        )

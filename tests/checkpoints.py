@@ -1,0 +1,189 @@
+"""Tiny Hugging Face checkpoints built here, nothing downloaded: random weights saved with
+``save_pretrained`` from transformers' own config classes, and a byte-level BPE tokenizer trained with the
+``tokenizers`` library on a few sentences, saved with a chat template.
+
+One checkpoint per family the server runs, each exercising that family's features: Llama with llama3 RoPE
+scaling and untied embeddings, Qwen2 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k
+norms, Mistral with linear RoPE scaling and no sliding window. Every weight is random, norm scales and
+biases included (transformers would start them at one and zero, which a loader that skipped them would
+not notice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a graph captured once replays every step of the decoder",
+    "hello world, how are you today? fine, thanks!",
+    "tokens flow from the prompt through every layer to the logits",
+    "naïve café façade: ünïcödé text with accents, 日本語 and emoji 🙂",
+    "def main(): return 42  # some code, too",
+]
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+INST = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST] "
+    "{{ message['content'] }} [/INST]{% elif message['role'] == 'system' %}<<SYS>>{{ message['content'] }}"
+    "<</SYS>>{% else %} {{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+# Small shapes: two layers, GQA (4 query heads, 2 KV heads), head_dim 16; the vocabulary is the tokenizer's.
+SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3": dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "mistral": dict(
+        tie_word_embeddings=False,
+        sliding_window=None,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ),
+}
+#: Weight seeds: each family's prompt set stays at least 1e-4 away from a greedy tie (see hf_greedy).
+SEEDS = {"llama": 0, "qwen2": 2, "qwen3": 0, "mistral": 0}
+_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def build_tokenizer(style: str) -> Any:
+    """A byte-level BPE tokenizer trained on :data:`CORPUS`: ``chatml`` (Qwen's special tokens and
+    template) or ``inst`` (Llama/Mistral's ``<s>``/``</s>``, BOS added to every encoding, [INST] template)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] if style == "chatml" else ["<unk>", "<s>", "</s>"]
+    )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    if style == "chatml":
+        return transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            chat_template=CHATML,
+        )
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=INST
+    )
+
+
+def build_checkpoint(
+    directory: Path, family: str, *, seed: int | None = None, std: float = 0.15, **overrides: Any
+) -> Path:
+    """Save a random-weight ``family`` checkpoint (float32) with its tokenizer under ``directory``."""
+    import transformers
+
+    config_class, model_class = (getattr(transformers, name) for name in _CLASSES[family])
+    tokenizer = build_tokenizer("chatml" if family.startswith("qwen") else "inst")
+    eos = tokenizer.eos_token_id
+    settings = {**SHAPE, **FAMILIES[family], **overrides}
+    config = config_class(
+        vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=tokenizer.bos_token_id, **settings
+    )
+    torch.manual_seed(SEEDS[family] if seed is None else seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif name.endswith("bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+            else:
+                param.copy_(std * torch.randn_like(param))
+    model.generation_config.eos_token_id = eos
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+PROMPTS = [
+    "the quick brown fox",
+    "hello world",
+    "日本語 🙂",
+    "def main(): return",
+    # Longer than the servers' 32-token step budget: a chunked prefill.
+    " ".join(CORPUS[:4]),
+    "tokens flow from the prompt",
+]
+NEW_TOKENS = 20
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """transformers' greedy continuation of one prompt: the new tokens up to (not including) an EOS, the
+    raw log-softmax of each chosen token, and the smallest gap between the two largest logits on the way
+    (how far every step is from a tie that float rounding could flip)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    margin: float
+
+
+def hf_greedy(directory: Path, prompts: list[list[int]], max_new_tokens: int = NEW_TOKENS) -> list[Greedy]:
+    """transformers' own greedy ``generate()`` (float32, CPU, one prompt at a time)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos])
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            result = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = result.sequences[0, len(prompt) :].tolist()
+            logits = torch.cat(result.logits).float()
+            end = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
+            top2 = logits[:end].topk(2, dim=-1).values if end else torch.zeros(1, 2)
+            logp = logits.log_softmax(-1)[torch.arange(end), torch.tensor(tokens[:end], dtype=torch.long)]
+            outputs.append(Greedy(tokens[:end], logp.tolist(), float((top2[:, 0] - top2[:, 1]).min())))
+    return outputs

@@ -1,0 +1,90 @@
+"""A ``devgraph serve`` subprocess for the tests that talk to it over HTTP."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerProcess:
+    """``python -m devgraph.serve FLAGS`` on a free port of 127.0.0.1, started and waited for; its stderr
+    is kept (``stderr``), ``stop()`` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, *flags: str) -> None:
+        command = [
+            sys.executable,
+            "-m",
+            "devgraph.serve",
+            *flags,
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+        ]
+        self.proc = subprocess.Popen(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        deadline = time.monotonic() + 120
+        assert self.proc.stdout is not None
+        line = ""
+        while "listening on" not in line:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {''.join(self.stderr)[-2000:]}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError("server did not start in 120 s")
+        self.url = line.rsplit(" ", 1)[-1].strip()
+        self.port = int(self.url.rsplit(":", 1)[-1])
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, data=body, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                raw = response.read()
+                status = response.status
+                content_type = response.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as error:
+            raw, status, content_type = error.read(), error.code, error.headers.get("Content-Type", "")
+        return status, json.loads(raw) if "json" in content_type else raw.decode()
+
+    def post(self, payload: Any, path: str = "/v1/completions") -> tuple[int, Any]:
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        return self.request("POST", path, body)
+
+    def stats(self) -> dict[str, Any]:
+        return self.request("GET", "/v1/engine/stats")[1]
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if stats["running"] == stats["waiting"] == stats["queued"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
