@@ -89,6 +89,12 @@ def oom_at_2(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
+def host_oom_at_2(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 2:
+        torch.empty(2**60, dtype=torch.uint8)  # the CPU allocator refuses: "can't allocate memory"
+    return x * 2
+
+
 def _capture_error(runner: GraphRunner) -> CaptureError:
     before = runner.platform.reserved_bytes()
     with pytest.raises(CaptureError) as info:
@@ -116,6 +122,12 @@ def test_host_sync_gets_host_sync_advice_and_names_the_key():
     assert "tokens=2" in message and "_local_scalar_dense" in message
     assert "forward context" in message and "breakable" in message
     assert "max_size" not in message
+
+
+def test_a_cpu_allocation_failure_gets_the_memory_advice_too():
+    error = _capture_error(make(host_oom_at_2))  # before: the generic "run it eagerly" advice
+    assert error.cause == "out_of_memory" and "can't allocate memory" in str(error)
+    assert "lower max_size" in str(error)
 
 
 def test_out_of_memory_gets_memory_advice_naming_max_size():

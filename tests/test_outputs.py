@@ -354,6 +354,29 @@ def test_bad_out_is_an_input_error_and_writes_nothing(out, fragment):
     assert all(torch.equal(a, b) for a, b in zip(tensor_leaves(out), before, strict=True) if a.numel())
 
 
+def pair_forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, x + 1
+
+
+@pytest.mark.parametrize(
+    ("second", "fragment"),
+    [
+        (torch.zeros(1, 3).expand(2, 3), "share one memory location"),
+        (torch.zeros(2, 3, requires_grad=True), "requires grad"),
+    ],
+    ids=["expanded", "requires_grad"],
+)
+def test_an_unwritable_out_leaf_is_refused_before_any_leaf_is_written(second, fragment):
+    # before: the first leaf was overwritten, then copy_ raised a raw RuntimeError on the second
+    runner = GraphRunner(
+        pair_forward, phase="decode", inputs={"x": StaticInput(torch.float32, (3,))}, device="cpu"
+    )
+    first = torch.full((2, 3), 7.0)
+    with pytest.raises(InputError, match=f"out= leaf 1 cannot be written: .*{fragment}.*nothing was written"):
+        runner.run(x=torch.ones(2, 3), out=(first, second))
+    assert torch.equal(first, torch.full((2, 3), 7.0))
+
+
 def test_copy_and_out_together_is_an_input_error():
     runner = runner_on("graph", f_tensor)
     with pytest.raises(InputError, match="copy=True or out=, not both"):

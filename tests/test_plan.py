@@ -117,3 +117,19 @@ def test_single_thread_runs_the_same_steps_without_the_lock():
         torch.testing.assert_close(lone.run(x=x), shared.run(x=x))
         assert lone.plan.single_thread and not shared.plan.single_thread
         assert lone.stats()["replays"] == 1
+
+
+def test_an_input_the_forward_does_not_take_is_named_before_any_compile():
+    # before: reported at capture as "torch.compile cannot trace the forward"
+    def forward(input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids * 2
+
+    spec = StaticInput(torch.long, fill=0)
+    config = '{"decode": {"backend": "full", "compiler": "eager"}}'
+    with pytest.raises(ConfigError, match="takes no parameter named 'ids'.*forward\\(input_ids"):
+        GraphRunner(forward, phase="decode", inputs={"ids": spec}, device="cpu", config=config)
+    with pytest.raises(ConfigError, match="it requires 'mask', which no input or variant provides"):
+        GraphRunner(lambda ids, mask: ids, phase="decode", inputs={"ids": spec}, device="cpu")
+    GraphRunner(lambda **inputs: inputs["ids"], phase="decode", inputs={"ids": spec}, device="cpu")
+    window = {"window": (8, 16)}
+    GraphRunner(lambda ids, window: ids, phase="decode", inputs={"ids": spec}, device="cpu", variants=window)

@@ -176,4 +176,4 @@ def test_inspect_shows_declared_state():
     model = StepCounter()
     hooks = declarations(model)["hooks"]
     runner = make(model, "full", [model.count, hooks])
-    assert runner.inspect()["state"] == {"tensors": {"0": "torch.int64 () on cpu"}, "hooks": 1}
+    assert runner.inspect()["state"] == {"tensors": {"0": "torch.int64 () on cpu"}, "hooks": 1, "auto": False}

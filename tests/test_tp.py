@@ -192,6 +192,35 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "compiler",
+    [
+        "eager",
+        pytest.param(
+            "inductor",
+            marks=pytest.mark.skipif(
+                os.environ.get("DEVGRAPH_FULL_MATRIX") != "1",
+                reason="inductor on two CPU ranks takes minutes: DEVGRAPH_FULL_MATRIX=1",
+            ),
+        ),
+    ],
+)
+def test_compiled_full_with_collectives_inside_equals_eager_tp(tmp_path, compiler):
+    found = launch("compiled_full", tmp_path, extra=("--compiler", compiler), limit=480)
+    results = _check_scenario(found, "compiled_full")
+    for rank, result in enumerate(results):
+        for comm in ("op", "torch"):
+            for step in result[comm]["steps"]:
+                assert step["replayed"], (rank, comm, step)
+                assert step["graph_vs_eager_padded"] == 0.0, (rank, comm, step)  # the same compiled code
+                assert step["graph_vs_eager_same_rows"] <= 1e-4 * max(1.0, step["scale"]), (rank, comm, step)
+    for comm in ("op", "torch"):  # every rank returns the full logits: the same numbers on both
+        assert [s["checksum"] for s in results[0][comm]["steps"]] == [
+            s["checksum"] for s in results[1][comm]["steps"]
+        ]
+
+
 def test_replays_equal_eager_tp_under_every_mode(cpu_run):
     check_equivalence(cpu_run, exact=True, modes=("full", "breakable", "tc_piecewise"))
 

@@ -59,6 +59,7 @@ class Ctx:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.modes = args.modes.split(",")
         self.comms = args.comms.split(",")
+        self.compiler = args.compiler
         self.out = Path(args.out)
         self.results: dict[str, Any] = {"rank": self.rank, "device": str(self.device)}
         self.group: Any = None
@@ -459,8 +460,30 @@ def destroy_bypassed(ctx: Ctx) -> dict[str, Any]:
     return found
 
 
+def compiled_full(ctx: Ctx) -> dict[str, Any]:
+    """Decode under ``full`` with a compiler, collectives inside the compiled forward: with the custom-op
+    communicator (``op``, opaque to dynamo) and with ``torch.distributed`` calls (``torch``, which dynamo
+    rewrites into functional collectives); graph equals eager TP on both ranks."""
+    out: dict[str, Any] = {}
+    for comm in ("op", "torch"):
+        model = ctx.model("paged", comm)
+        config = json.dumps({"decode": {"backend": "full", "compiler": ctx.compiler}})
+        start = time.perf_counter()
+        runner = tp_decode_runner(model, config=config, sizes=DECODE_SIZES, check_lockstep=True)
+        report = runner.capture()
+        out[comm] = {
+            "capture_seconds": time.perf_counter() - start,
+            "compile": runner.inspect().get("compile"),
+            "notes": report.notes,
+            "steps": _steps(ctx, runner, model, "decode"),
+        }
+        runner.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "equivalence": equivalence,
+    "compiled_full": compiled_full,
     "lockstep": lockstep,
     "capture_error": capture_error,
     "different_keys": different_keys,
@@ -479,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--modes", default="full,breakable,tc_piecewise")
     parser.add_argument("--comms", default="auto")
+    parser.add_argument("--compiler", default="eager", help="compiled_full's compiler (eager or inductor)")
     parser.add_argument("--group-timeout", type=float, default=60.0, help="the process group's own timeout")
     args = parser.parse_args(argv)
     ctx = Ctx(args)

@@ -34,6 +34,7 @@ def time_cases(
     rounds: int,
     on_error: Callable[[str, BaseException], None],
     warm_steps: int = 3,
+    before_step: Callable[[], None] = lambda: None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """``result[variant][case]``: median latency and host ms over ``iters`` steps.
 
@@ -48,6 +49,7 @@ def time_cases(
         for v in variants:
             try:
                 for _ in range(warm_steps):
+                    before_step()
                     v.step(case)
                 dev.sync()
                 alive.append(v)
@@ -60,6 +62,7 @@ def time_cases(
                 call = _bind(v.step, case)
                 try:
                     for _ in range(per_round):
+                        before_step()
                         ms, host_ms = dev.time_step(call)
                         latency[v.name].append(ms)
                         host[v.name].append(host_ms)

@@ -185,3 +185,8 @@ class DeviceGraphBackend(ABC):
     def describe(self) -> dict[str, Any]:
         """Backend-wide facts for ``inspect()``: compiles, recompiles, compiler."""
         return {}
+
+    def capture_notes(self) -> list[str]:
+        """Lines the capture report adds after a capture: what the backend did differently from the plan
+        and what it cost (a compile per size where one across sizes failed)."""
+        return []

@@ -9,16 +9,25 @@ runs, so the same model code works in eager mode, under ``full`` capture and und
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, overload
 
 import torch
 
 from devgraph.errors import ConfigError
 
-__all__ = ["BreakOp", "BreakHandler", "graph_break", "is_break_target", "break_handler"]
+__all__ = [
+    "BreakOp",
+    "BreakHandler",
+    "DefaultFake",
+    "graph_break",
+    "is_break_target",
+    "break_handler",
+    "running_compiled",
+]
 
 
 class BreakHandler(Protocol):
@@ -29,6 +38,7 @@ class BreakHandler(Protocol):
 
 class _HandlerSlot(threading.local):
     handler: BreakHandler | None = None
+    compiled: int = 0  # > 0 while code compiled by a devgraph strategy runs on this thread
 
 
 _slot = _HandlerSlot()
@@ -48,6 +58,8 @@ class BreakOp:
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", self.name)
         self.__wrapped__ = fn
+        #: The fake devgraph derived from the declared result (``None`` once ``fake=`` is given).
+        self.default_fake: DefaultFake | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # is_compiling() is constant-folded by dynamo, so tracing never reads the handler slot.
@@ -58,8 +70,13 @@ class BreakOp:
         return self._op(*args, **kwargs)
 
     def run_eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the op now, bypassing any installed handler."""
-        return self._op(*args, **kwargs)
+        """Run the op now, bypassing any installed handler. Break ops its body calls run inline, inside
+        this one (a strategy sees one break: the outermost op)."""
+        previous, _slot.handler = _slot.handler, None
+        try:
+            return self._op(*args, **kwargs)
+        finally:
+            _slot.handler = previous
 
     def replay_fn(self) -> Callable[..., Any]:
         """What a replay plan calls: the wrapped function itself, unless a device kernel overrides it.
@@ -75,6 +92,9 @@ class BreakOp:
 
     def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
         """Register the shape function ``torch.compile`` uses to trace through this op."""
+        if self.default_fake is not None:
+            self.default_fake.retired = True  # the user's fake decides shapes now: nothing to check
+            self.default_fake = None
         return self._op.register_fake(fake)
 
     def __repr__(self) -> str:
@@ -87,11 +107,82 @@ def _auto_name(fn: Callable[..., Any]) -> str:
     return f"devgraph_user::{module}__{qualname}"
 
 
-def _default_fake(*args: Any, **kwargs: Any) -> torch.Tensor:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return torch.empty_like(value)
-    raise ConfigError("a graph_break op with no tensor argument needs an explicit fake=... shape function")
+#: Result types a break op may not declare: a number computed at capture would be replayed as a constant.
+_SCALAR_RESULTS = frozenset({"int", "float", "bool", "SymInt", "SymFloat", "SymBool", "Scalar", "str"})
+
+
+def _results(fn: Callable[..., Any], mutates_args: tuple[str, ...], qualname: str) -> list[str]:
+    """The declared result types of ``fn`` as torch reads its annotations (``[]``: returns ``None``)."""
+    try:
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+        returns = torch._C.parse_schema(f"devgraph_probe::op{schema}").returns
+    except Exception as exc:  # torch explains which annotation it could not turn into a schema
+        raise ConfigError(f"cannot register {qualname} as a graph_break op: {exc}") from exc
+    types = [str(r.type) for r in returns]
+    scalars = [t for t in types if t in _SCALAR_RESULTS]
+    if scalars:
+        raise ConfigError(
+            f"graph_break op {qualname} declares a Python {scalars[0]} result: a graph replays the value the "
+            "op returned at capture, so every later step would read that constant instead of the op's "
+            "result. Return a tensor instead (torch.tensor(value, device=...)), or keep the value on the "
+            "host and pass it in through devgraph.get_forward_context()"
+        )
+    return types
+
+
+class DefaultFake:
+    """The fake ``torch.compile`` traces with when ``fake=`` is not given, following the declared result:
+    ``None`` for an op that returns nothing (it writes into its ``mutates_args``), and a tensor shaped like
+    the op's first tensor argument for each declared tensor result. Once it has been used, every real run
+    of the op checks that its results match that guess, so a wrong one is an error naming ``fake=``, never
+    a compiled graph sized for the wrong shape."""
+
+    def __init__(self, qualname: str, results: list[str]) -> None:
+        self.qualname = qualname
+        self.results = results
+        self.used = False
+        self.retired = False
+
+    def _first_tensor(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                return value
+        raise ConfigError(
+            f"graph_break op {self.qualname} has no tensor argument to shape its result like: torch.compile "
+            "needs fake=, a function of the arguments returning empty tensors of the result's shapes"
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.used = True
+        if not self.results:
+            return None
+        if any(t != "Tensor" for t in self.results):
+            raise ConfigError(
+                f"graph_break op {self.qualname} returns {' and '.join(self.results)}: torch.compile cannot "
+                "guess those shapes. Pass fake=, a function of the arguments returning empty tensors of the "
+                "result's shapes (torch.empty(..., device=x.device)), to @graph_break"
+            )
+        like = self._first_tensor(args, kwargs)
+        fakes = [torch.empty_like(like) for _ in self.results]
+        return fakes[0] if len(fakes) == 1 else tuple(fakes)
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any) -> None:
+        """After a real run inside compiled code: the result must be what the fake said."""
+        if not _slot.compiled or not self.used or self.retired or not self.results:
+            return
+        like = self._first_tensor(args, kwargs)
+        got = list(result) if isinstance(result, (tuple, list)) else [result]
+        for value in got:
+            if not isinstance(value, torch.Tensor) or (value.shape, value.dtype) != (like.shape, like.dtype):
+                what = (
+                    f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
+                )
+                raise ConfigError(
+                    f"graph_break op {self.qualname} returned {what}, but torch.compile traced it with the "
+                    f"default fake (each result shaped like its first tensor argument: {tuple(like.shape)} "
+                    f"{like.dtype}), so the compiled code around it is sized wrongly. Pass fake=, a function "
+                    "of the arguments returning empty tensors of the result's shapes, to @graph_break"
+                )
 
 
 @overload
@@ -116,8 +207,12 @@ def graph_break(
     Use bare (``@graph_break``) or with options (``@graph_break("mylib::attn", mutates_args=("cache",))``).
     The function needs type annotations (torch derives the operator schema from them), must name every
     argument it writes in ``mutates_args``, and must return new tensors rather than views of its inputs.
-    ``fake`` computes output shapes for ``torch.compile``; by default the output is shaped like the
-    first tensor argument.
+    ``fake`` computes output shapes for ``torch.compile``; by default it follows the declared result:
+    ``None`` for an op returning nothing (the copy-free form: it writes into an argument named in
+    ``mutates_args``), and each declared tensor shaped like the first tensor argument (a run whose result
+    differs raises, naming ``fake=``). A declared Python number (``-> int``) is refused: a graph would
+    replay the value of the capture. Break ops may call other break ops: the inner ones run inside the
+    outer one, under every strategy.
 
     A break op runs with the arguments it was captured with; per-batch state that is not in those
     tensors must come from :func:`devgraph.get_forward_context`.
@@ -127,12 +222,18 @@ def graph_break(
         qualname = name or _auto_name(fn)
         if "::" not in qualname:
             raise ConfigError(f"graph_break name {qualname!r} must look like 'namespace::op_name'")
+        mutated = tuple(mutates_args)
+        results = _results(fn, mutated, qualname)
+        default = None if fake is not None else DefaultFake(qualname, results)
+        kernel = fn if default is None else _checked(fn, default)
         try:
-            op = torch.library.custom_op(qualname, fn, mutates_args=tuple(mutates_args))
-        except Exception as exc:  # torch explains which annotation it could not turn into a schema
+            schema = torch.library.infer_schema(fn, mutates_args=mutated)
+            op = torch.library.custom_op(qualname, kernel, mutates_args=mutated, schema=schema)
+        except Exception as exc:  # a name registered twice, say
             raise ConfigError(f"cannot register {qualname} as a graph_break op: {exc}") from exc
-        op.register_fake(fake or _default_fake)
+        op.register_fake(fake if fake is not None else default)  # type: ignore[arg-type]
         break_op = BreakOp(fn, op)
+        break_op.default_fake = default
         _break_targets.add(break_op.overload)
         _break_ops[break_op.overload] = break_op
         return break_op
@@ -140,6 +241,17 @@ def graph_break(
     if callable(fn_or_name):
         return wrap(fn_or_name, None)
     return lambda fn: wrap(fn, fn_or_name)
+
+
+def _checked(fn: Callable[..., Any], default: DefaultFake) -> Callable[..., Any]:
+    """``fn`` as the op's kernel, checking its results against the default fake once that was traced."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        default.check(args, kwargs, result)
+        return result
+
+    return kernel
 
 
 def break_op_for(target: Any) -> BreakOp | None:
@@ -153,6 +265,17 @@ def is_break_target(target: Any) -> bool:
         return True
     packet = getattr(target, "_overloadpacket", None)
     return packet is not None and any(getattr(t, "_overloadpacket", None) is packet for t in _break_targets)
+
+
+@contextlib.contextmanager
+def running_compiled() -> Iterator[None]:
+    """Marks code a strategy compiled as running on this thread: break ops traced with their default fake
+    check their real results against it there (elsewhere the shapes they return are theirs to choose)."""
+    _slot.compiled += 1
+    try:
+        yield
+    finally:
+        _slot.compiled -= 1
 
 
 class break_handler:  # noqa: N801 - used like contextlib helpers

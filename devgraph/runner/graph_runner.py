@@ -32,7 +32,7 @@ from devgraph.runner.dispatch import Decision, Dispatcher
 from devgraph.runner.inspection import describe_runner
 from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.outputs.trees import copy_into_out, copy_tree
-from devgraph.runner.plan import plan_runner
+from devgraph.runner.plan import check_signature, plan_runner
 from devgraph.runner.schedule import AxisSizes, KeySchedule
 from devgraph.runner.staging import StaticBuffers, StepValidator
 from devgraph.runner.stats import RunnerStats
@@ -120,6 +120,7 @@ class GraphRunner:
             single_thread=single_thread,
         )
         plan = self.plan
+        check_signature(forward, [*plan.inputs, *plan.schedule.variants], plan.phase)
         self.backend: DeviceGraphBackend = backend
         #: Check each step that every rank replays the same key (an all-gather); may flip between steps.
         self.check_lockstep: bool = plan.check_lockstep
@@ -139,8 +140,7 @@ class GraphRunner:
             # Graphs of an earlier owner that was dropped without close(): they read its buffers, not ours.
             logger.info("devgraph: releasing graphs a previous runner left in its %s backend", backend.name)
             backend.cleanup()
-        graph_forward = self._graph_forward = backend.wrap_forward(forward)
-        self._graphs = RunnerGraphs(plan, backend, graph_forward, self._buffers, self._layout, self._stats)
+        self._graphs = RunnerGraphs(plan, backend, forward, self._buffers, self._layout, self._stats)
         track_runner(self, plan.process_group)  # devgraph.ranks.destroy_process_group() closes it first
 
     # -- what the plan resolved (runner.plan has it all) --------------------------------------------
@@ -325,9 +325,8 @@ class GraphRunner:
         variant: Mapping[str, Hashable] | None = None,
         **inputs: torch.Tensor,
     ) -> VerifyResult:
-        """Run one step through the graph and eagerly on the same inputs; report the largest differences.
-
-        The forward runs 3 times on the graph path (replay, eager on the caller's rows, eager on the padded
+        """Run one step through the graph and eagerly on the same inputs; report the largest differences:
+        the forward runs 3 times on the graph path (replay, eager on the caller's rows, eager on the padded
         buffers), twice on the eager path; declared ``state`` is restored before each run and after the
         last. ``rtol`` bounds both differences relative to max |eager| (default 1e-4; 2e-2 for 16-bit
         outputs). Not counted in :meth:`stats` steps.
@@ -346,7 +345,7 @@ class GraphRunner:
                     restore()
                     self._buffers.stage(step.counts, key, inputs)
                     with forward_context(context), torch.no_grad():
-                        raw = self._graph_forward(**self._buffers.views(key), **chosen)
+                        raw = self._graphs.forward(**self._buffers.views(key), **chosen)
                     padded = copy_tree(self._layout.slice(raw, step.counts, key, replay=False))
             return compare(step.n, key, graph, padded, unpadded, rtol)
 
@@ -393,8 +392,8 @@ class GraphRunner:
         self.close()
 
     def __repr__(self) -> str:
+        sizes, captured = list(self.schedule.token_sizes), self._captured
         return (
             f"GraphRunner(phase={self.phase!r}, backend={self.backend.name!r}, "
-            f"platform={self.platform.name!r}, sizes={list(self.schedule.token_sizes)}, "
-            f"captured={self._captured})"
+            f"platform={self.platform.name!r}, sizes={sizes}, captured={captured})"
         )

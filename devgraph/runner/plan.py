@@ -9,6 +9,7 @@ key schedule. The runner and its parts read the :class:`RunnerPlan`; nothing rea
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -30,7 +31,15 @@ from devgraph.runner.outputs.layout import check_output_axes
 from devgraph.runner.schedule import AxisSizes, KeySchedule, schedule_for
 from devgraph.runner.state import DeclaredState, as_state
 
-__all__ = ["FLAG_KEYS", "CapturePlan", "LazyPolicy", "RunnerPlan", "flag_over_arguments", "plan_runner"]
+__all__ = [
+    "FLAG_KEYS",
+    "CapturePlan",
+    "LazyPolicy",
+    "RunnerPlan",
+    "check_signature",
+    "flag_over_arguments",
+    "plan_runner",
+]
 
 #: The runner's arguments that are also keys of a phase in ``--device-graph-mode``.
 FLAG_KEYS: tuple[str, ...] = (
@@ -140,6 +149,37 @@ def _inputs(phase: str, inputs: Any, reserved: frozenset[str]) -> Mapping[str, S
         if not isinstance(spec, StaticInput):
             raise ConfigError(f"input {name!r} must be a devgraph.StaticInput, got {shorten(spec)}")
     return types.MappingProxyType(dict(inputs))
+
+
+def check_signature(forward: Callable[..., Any], names: Sequence[str], phase: str) -> None:
+    """The runner calls ``forward(**inputs, **variant)``: every name must be a parameter it takes by keyword
+    (or it takes ``**kwargs``), and every parameter it requires must be among them. Checked when the runner
+    is built, so a misspelt input is reported as one, not as whatever a compile makes of it."""
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):  # a builtin or an extension type: nothing to check against
+        return
+    params = list(signature.parameters.values())
+    by_keyword = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    unknown = [n for n in names if n not in by_keyword and not takes_any]
+    required = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name not in names
+    ]
+    if not unknown and not required:
+        return
+    problems = []
+    if unknown:
+        problems.append(f"it takes no parameter named {', '.join(map(repr, unknown))}")
+    if required:
+        problems.append(f"it requires {', '.join(map(repr, required))}, which no input or variant provides")
+    raise ConfigError(
+        f"the {phase} runner calls forward(**inputs, **variant) with {', '.join(map(repr, names))}, but "
+        f"{' and '.join(problems)} (its signature is {getattr(forward, '__name__', 'forward')}{signature}); "
+        "name each StaticInput after a parameter of the forward"
+    )
 
 
 def _device(device: torch.device | str | None, platform: GraphPlatform) -> torch.device:

@@ -3,7 +3,9 @@
 A forward that advances a write position or a step counter (Hugging Face's static cache does) is run
 several times by ``capture()`` (warm-ups) and ``verify()`` (graph and eager). Declared state is saved
 before and restored after, so neither changes what later steps compute. Declare small tensors
-(``state=[model.step, cache.write_pos]``) or a save/restore pair for state that is not a tensor.
+(``state=[model.step, cache.write_pos]``), a save/restore pair for state that is not a tensor, or
+``state="auto"``: the tensors the capture finds the forward advancing
+(:mod:`devgraph.runner.capture.undeclared`) are saved and restored from then on.
 """
 
 from __future__ import annotations
@@ -32,9 +34,19 @@ class StateHooks:
 class DeclaredState:
     """The state a runner saves and restores; empty when nothing was declared."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], hooks: Sequence[StateHooks]) -> None:
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], hooks: Sequence[StateHooks], auto: bool = False
+    ) -> None:
         self.tensors = dict(tensors)
         self.hooks = tuple(hooks)
+        #: ``state="auto"``: tensors the capture finds the forward advancing are adopted (:meth:`adopt`).
+        self.auto = auto
+
+    def adopt(self, name: str, tensor: torch.Tensor) -> None:
+        """Save and restore ``tensor`` from now on (found by the capture's probe under ``state="auto"``)."""
+        while name in self.tensors:
+            name += "_"
+        self.tensors[name] = tensor
 
     def __bool__(self) -> bool:
         return bool(self.tensors or self.hooks)
@@ -66,6 +78,7 @@ class DeclaredState:
         return {
             "tensors": {n: f"{t.dtype} {tuple(t.shape)} on {t.device}" for n, t in self.tensors.items()},
             "hooks": len(self.hooks),
+            "auto": self.auto,
         }
 
 
@@ -73,6 +86,13 @@ def as_state(value: Any) -> DeclaredState:
     """``state=`` as given to the runner: tensors (a list or a name mapping), hooks, or a mix in a list."""
     if value is None:
         return DeclaredState({}, ())
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(
+                "state= must be a tensor, a list or a mapping of them, StateHooks, or 'auto'; "
+                f"got {shorten(value)}"
+            )
+        return DeclaredState({}, (), auto=True)
     items = value.items() if isinstance(value, Mapping) else enumerate(_as_list(value))
     tensors: dict[str, torch.Tensor] = {}
     hooks: list[StateHooks] = []

@@ -5,7 +5,10 @@ recompile after capture, and leave nothing behind when a runner closes.
   arguments dynamic (and nothing else), with
   ``backed_size_oblivious`` on while dynamo traces (a size of 1 gets no specialised second compile) and
   duck shaping off (a size equal to a weight's width, 4096 tokens against a hidden size of 4096, gets no
-  guard of its own); each inductor compile of a real model costs tens of seconds.
+  guard of its own); each inductor compile of a real model costs tens of seconds. Where dynamo cannot
+  trace the forward that way (a data-dependent guard, a forward that specialises on the batch size), each
+  size is compiled with static shapes instead, and the capture report says why and what it cost
+  (:mod:`devgraph.strategies.adaptive`).
 * **A code object per backend.** dynamo keeps its cache entries on the code object it compiled and stops
   at a recompile limit (8) per code object. Compiling a trampoline whose code object belongs to this
   backend alone (it inlines the user's forward) means a closed runner's entries die with it, and the ninth
@@ -26,8 +29,9 @@ import torch
 
 from devgraph.contract.modes import Compiler
 from devgraph.contract.platform import Availability, GraphPlatform
-from devgraph.errors import CaptureError, ConfigError, RecompileError
+from devgraph.errors import ConfigError, RecompileError
 from devgraph.messages import shorten
+from devgraph.strategies.adaptive import AdaptiveCompile
 
 __all__ = [
     "CompileSession",
@@ -101,57 +105,29 @@ class CompileTracker:
         self.sealed = False
 
 
-def _trampoline(forward: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return forward(*args, **kwargs)
-
-    # A code object of its own: dynamo's cache entries live on it and go away with this backend.
-    call.__code__ = call.__code__.replace()
-    return call
-
-
 def compile_forward(
     forward: Callable[..., Any], dynamo_backend: Callable[..., Any], strategy: str
-) -> Callable[..., Any]:
-    """``forward`` compiled once with a dynamic leading dimension through ``dynamo_backend``.
+) -> AdaptiveCompile:
+    """``forward`` compiled through ``dynamo_backend``: once with a dynamic leading dimension, or size by size
+    with static shapes where dynamo cannot trace that (:class:`AdaptiveCompile`).
 
-    The returned callable turns dynamo's errors into devgraph's: a forward dynamo cannot trace whole
-    raises :class:`CaptureError` with the fix; a :class:`RecompileError` from the backend comes back as is.
+    A forward no compile can run raises :class:`CaptureError` naming both causes and the fix; a
+    :class:`RecompileError` from the backend comes back as is.
     """
-    import torch.fx.experimental._config as fx_config
+    return _Unwrapping(forward, dynamo_backend, f"{strategy}'s compiled forward", dynamic_args=None)
 
-    compiled = torch.compile(_trampoline(forward), backend=dynamo_backend, dynamic=None, fullgraph=True)
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        # Only the rows of the step's inputs vary between keys: the leading dimension of every tensor
-        # argument is dynamic from the first trace, and nothing else is (a size-1 weight or mask in the
-        # model must keep broadcasting as a constant 1).
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.dim():
-                torch._dynamo.maybe_mark_dynamic(value, 0)
+class _Unwrapping(AdaptiveCompile):
+    """Hands devgraph's own :class:`RecompileError` back unwrapped (dynamo wraps what a backend raises)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            # Python floats of the model (an RMSNorm eps, an attention scale) stay constants: as graph
-            # inputs they would reach ops that take a float through a host read.
-            with (
-                fx_config.patch(backed_size_oblivious=True, use_duck_shape=False),  # type: ignore[attr-defined]
-                torch._dynamo.config.patch(specialize_float=True),
-            ):
-                return compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as exc:
-            first_line = str(exc).strip().splitlines()[0]
-            raise CaptureError(
-                f"torch.compile cannot trace the forward as one graph ({first_line}); {strategy} with a "
-                "compiler needs a forward without dynamo graph breaks: move the offending code into a "
-                "@devgraph.graph_break op, or use the 'breakable' mode"
-            ) from exc
+            return super().__call__(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
-            # Dynamo wraps whatever our backend raises; hand devgraph's own error back unwrapped.
             inner = getattr(exc, "inner_exception", None)
             if isinstance(inner, RecompileError):
                 raise inner from None
             raise
-
-    return call
 
 
 def inductor_compile(
@@ -177,9 +153,9 @@ class CompileSession:
         self.tracker = CompileTracker(strategy, options.on_recompile)
         self.cache: Any = None
         self._forward: Callable[..., Any] | None = None
-        self._compiled: Callable[..., Any] | None = None
+        self._compiled: AdaptiveCompile | None = None
 
-    def wrap(self, forward: Callable[..., Any], dynamo_backend: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, forward: Callable[..., Any], dynamo_backend: Callable[..., Any]) -> AdaptiveCompile:
         """The compiled ``forward`` (compiling happens at its first call). A backend handed on to a runner
         with another forward compiles that one, with fresh counters and no cache of the old one's."""
         if self._compiled is None or self._forward is not forward:
@@ -219,8 +195,15 @@ class CompileSession:
     def reset(self) -> None:
         self.tracker.unseal()
 
+    def notes(self) -> list[str]:
+        """Lines for the capture report: a dynamic compile given up for per-size compiles, and why."""
+        note = self._compiled.note() if self._compiled is not None else None
+        return [note] if note else []
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"compiles": self.tracker.compiles, "recompiles": self.tracker.recompiles}
+        if self._compiled is not None:
+            out.update(self._compiled.describe())
         if self.cache is not None:
             out["artifact_cache"] = self.cache.describe()
         return out

@@ -115,5 +115,8 @@ class FullGraphBackend(GraphStrategy):
         super().cleanup()
         self.compile.reset()
 
+    def capture_notes(self) -> list[str]:
+        return self.compile.notes()
+
     def describe(self) -> dict[str, Any]:
         return {"compiler": self.compiler, **self.compile.describe()}

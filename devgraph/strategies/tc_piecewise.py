@@ -207,6 +207,9 @@ class TcPiecewiseBackend(GraphStrategy):
         super().cleanup()
         self.compile.reset()
 
+    def capture_notes(self) -> list[str]:
+        return self.compile.notes()
+
     def describe(self) -> dict[str, Any]:
         return {
             "compiler": self.compiler,

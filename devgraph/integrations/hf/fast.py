@@ -242,6 +242,7 @@ class DecodeRegions:
             "pack_gqa": self.fast.pack_gqa and self._groups > 1,
             "compiler": self.fast.compiler,
             "frames_compiled": sum(c.frames for c in compiled),
+            "per_shape_regions": [c.describe() for c in compiled if c.describe()["compile"] != "dynamic"],
             "installed": len(self._undo),
             "skipped": list(self.skipped),
         }

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from devgraph.contract.platform import GraphPlatform
+from devgraph.strategies.adaptive import AdaptiveCompile
 from devgraph.strategies.compiling import inductor_compile
 
 __all__ = ["CompiledRegion", "close_enough", "matches", "region_role", "rms_norm", "rope", "swiglu"]
@@ -41,35 +42,29 @@ def rope(
 
 class CompiledRegion:
     """``fn`` compiled once with dim 0 of its first ``dynamic_args`` arguments dynamic (size 1 included),
-    on a code object of its own (dynamo's cache entries and recompile limit are per code object)."""
+    on a code object of its own (dynamo's cache entries and recompile limit are per code object); compiled
+    per shape with static shapes where dynamo cannot trace it dynamically (:class:`AdaptiveCompile`)."""
 
     def __init__(self, fn: Callable[..., Any], compiler: str, platform: GraphPlatform, dynamic_args: int):
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
         self.frames = 0
         self._compiler = compiler
-        self._dynamic_args = dynamic_args
         self._platform = platform
-        self._fn = torch.compile(fresh, backend=self._backend, fullgraph=True, dynamic=None)
+        self._fn = AdaptiveCompile(
+            fresh, self._backend, f"fast path region {fn.__name__}", dynamic_args=dynamic_args
+        )
 
     def _backend(self, gm: torch.fx.GraphModule, example: list[Any]) -> Callable[..., Any]:
         self.frames += 1
         return gm if self._compiler == "eager" else inductor_compile(gm, example, None)
 
-    def _run(self, *args: Any) -> Any:
-        import torch.fx.experimental._config as fx_config
-
-        for value in args[: self._dynamic_args]:
-            torch._dynamo.maybe_mark_dynamic(value, 0)
-        with (
-            fx_config.patch(backed_size_oblivious=True, use_duck_shape=False),  # type: ignore[attr-defined]
-            torch._dynamo.config.patch(specialize_float=True),
-        ):
-            return self._fn(*args)
+    def describe(self) -> dict[str, Any]:
+        return self._fn.describe()
 
     def __call__(self, *args: Any) -> Any:
         # Under the CPU simulator's capture the call is recorded whole (dynamo cannot trace under its
         # dispatch mode); on a device this just calls it and the capture records its kernels.
-        return self._platform.record_opaque(self._run, *args)
+        return self._platform.record_opaque(self._fn, *args)
 
 
 def close_enough(eager: Any, fast: Any) -> bool:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from devgraph.errors import CaptureError, RecompileError
+from devgraph.errors import CaptureError, ConfigError, RecompileError
 from devgraph.messages import HOST_SYNC_ADVICE
+from devgraph.strategies.adaptive import StaticCompileError
 
 __all__ = ["Cause", "diagnose"]
 
@@ -29,8 +30,16 @@ def _text(exc: BaseException) -> str:
     return str(exc).lower()
 
 
+#: How allocators say they ran out: CUDA and ROCm ("out of memory", hipErrorOutOfMemory), the CPU allocator
+#: ("can't allocate memory", errno 12 "Cannot allocate memory"), Ascend ("NPU out of memory").
+_OOM_TEXTS = ("out of memory", "outofmemory", "can't allocate memory", "cannot allocate memory")
+
+
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in _text(exc)
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = _text(exc)
+    return any(needle in text for needle in _OOM_TEXTS)
 
 
 def _is_aliasing_break(exc: BaseException) -> bool:
@@ -59,6 +68,10 @@ def _is_host_sync(exc: BaseException) -> bool:
     )
 
 
+def _is_break_op_fake(exc: BaseException) -> bool:
+    return isinstance(exc, ConfigError) and "fake=" in str(exc)
+
+
 def _is_lazy_handle(exc: BaseException) -> bool:
     text = _text(exc)
     return any(n in text for n in ("cublas_status_not_initialized", "cublascreate", "hipblascreate"))
@@ -83,6 +96,11 @@ _DYNAMO = (
     "torch.compile could not trace the forward as one graph: move the untraceable code into a "
     "@devgraph.graph_break op, or use a mode that does not compile (--device-graph-mode "
     "'{phase}=breakable', or drop the 'compiler' option)"
+)
+_BREAK_OP_FAKE = (
+    "give the @devgraph.graph_break op named above a fake= shape function (it returns empty tensors of "
+    "the result's shapes, or None for an op that only writes into its arguments); sizes and modes without "
+    "a compiler do not need it"
 )
 _RECOMPILE = (
     "keep every input in the runner's static buffers (same dtype, device and rank each step) and keep "
@@ -118,6 +136,7 @@ _TABLE: tuple[tuple[str, Callable[[BaseException], bool], Advice], ...] = (
     ("out_of_memory", _is_oom, _OOM),
     ("no_warm_up", _is_lazy_handle, _WARM_UP),
     ("break_op_returns_view", _is_aliasing_break, _ALIASING),
+    ("break_op_fake", _is_break_op_fake, _BREAK_OP_FAKE),
     ("recompile", lambda exc: isinstance(exc, RecompileError), _RECOMPILE),
     ("torch_compile", _is_dynamo, _DYNAMO),
     ("host_sync", _is_host_sync, _host_sync),
@@ -130,6 +149,8 @@ def diagnose(exc: BaseException, *, phase: str, max_size: int, backend: str = ""
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:  # look through wrapped errors too
         seen.add(id(current))
+        if isinstance(current, StaticCompileError):  # no compile can run it: the advice follows the cause
+            return Cause(current.cause, current.advice)
         for name, matches, advice in _TABLE:
             if matches(current):
                 if isinstance(advice, str):

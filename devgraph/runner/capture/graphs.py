@@ -26,6 +26,7 @@ from devgraph.runner.capture.loop import (
     show_progress,
 )
 from devgraph.runner.capture.probe import probe_layout
+from devgraph.runner.capture.undeclared import StateProbe
 from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.plan import RunnerPlan
 from devgraph.runner.staging import StaticBuffers
@@ -39,8 +40,9 @@ logger = logging.getLogger(__name__)
 class RunnerGraphs:
     """Captures a runner's keys into its backend and keeps a report per captured key.
 
-    ``forward`` is the callable the backend wrapped (compiled, for a compiling strategy): warm-ups, capture
-    and the layout probe run it on the runner's static ``buffers``.
+    ``forward`` is the runner's forward; :attr:`forward` is what the backend made of it (compiled, for a
+    compiling strategy): warm-ups, capture and the layout probe run that on the runner's static ``buffers``.
+    The first key's warm-ups also look for state the forward advances undeclared (:class:`StateProbe`).
     """
 
     def __init__(
@@ -54,10 +56,12 @@ class RunnerGraphs:
     ) -> None:
         self.plan = plan
         self.backend = backend
-        self.forward = forward
+        self.forward = backend.wrap_forward(forward)
+        self.state_probe = StateProbe(forward, plan.state, plan.phase)
         self._buffers = buffers
         self._layout = layout
         self.reports: dict[GraphKey, KeyReport] = {}
+        self.notes: list[str] = []
         self.lazy = LazyGraphs(
             plan.capture.lazy_policy,
             stats,
@@ -81,6 +85,7 @@ class RunnerGraphs:
             start = time.perf_counter()
             report.keys = self.capture(keys, collect=True)
             report.seconds = time.perf_counter() - start
+            report.notes = [*self.notes, *backend.capture_notes()]
             if rank_of(plan.process_group) == 0:  # one report per tensor-parallel group
                 logger.info("%s", report.table())
         return report
@@ -108,6 +113,9 @@ class RunnerGraphs:
             agree=sync.agree,
             progress="off" if lazy else show_progress(plan.capture.progress, rank_of(plan.process_group)),
             shared_pool=not lazy,
+            probe=self.state_probe,
+            static=lambda: self._buffers.buffers.values(),
+            notes=self.notes,
         )
         with plan.state.preserved(), frozen_gc(collect):
             self._buffers.reset()
@@ -123,6 +131,8 @@ class RunnerGraphs:
                 else:
                     backend.cleanup()
                 raise
+            finally:
+                self.state_probe.restore_adopted()
         reports.sort(key=lambda r: r.key.sort_key())
         self.reports.update((r.key, r) for r in reports)
         return reports

@@ -25,6 +25,7 @@ from devgraph.contract.keys import GraphKey
 from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import CaptureError
 from devgraph.runner.capture.advice import diagnose
+from devgraph.runner.capture.undeclared import StateProbe
 
 __all__ = [
     "CaptureJob",
@@ -66,6 +67,8 @@ class CaptureReport:
     platform: str
     keys: list[KeyReport] = field(default_factory=list)
     seconds: float = 0.0
+    #: What the capture did differently from the plan, and why (a compile per size, undeclared state).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def sizes(self) -> list[KeyReport]:
@@ -84,6 +87,7 @@ class CaptureReport:
         lines += [
             f"  {str(k.key):<28} {k.seconds * 1e3:9.1f} ms  {k.bytes / 2**20:9.2f} MiB" for k in self.keys
         ]
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -111,6 +115,11 @@ class CaptureJob:
     agree: Callable[[GraphKey, BaseException | None], None] = lambda key, error: None
     progress: Progress = "off"
     shared_pool: bool = True
+    # Finds state the forward advances without declaring it, on the first key's first two warm-ups.
+    probe: StateProbe | None = None
+    static: Callable[[], Iterable[torch.Tensor]] = lambda: ()
+    # Notes for the capture report (what the probe found).
+    notes: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -181,10 +190,7 @@ def _capture_key(job: CaptureJob, key: GraphKey) -> KeyReport:
     platform = job.platform
     try:
         with forward_context(context), torch.no_grad():
-            # Fresh aliases of the static buffers for every run: a forward that changes an input's metadata
-            # in place (x.unsqueeze_(0)) changes only the aliases of that run.
-            for _ in range(job.warmup_iters):
-                job.forward(**job.inputs_for(key))
+            _warm_up(job, key)
             job.barrier()
             before = platform.reserved_bytes()
             t0 = time.perf_counter()
@@ -196,6 +202,27 @@ def _capture_key(job: CaptureJob, key: GraphKey) -> KeyReport:
         raise capture_failure(exc, job, key) from exc
     job.on_captured(key, outputs)
     return KeyReport(key, seconds, max(0, platform.reserved_bytes() - before))
+
+
+def _warm_up(job: CaptureJob, key: GraphKey) -> None:
+    # Fresh aliases of the static buffers for every run: a forward that changes an input's metadata in place
+    # (x.unsqueeze_(0)) changes only the aliases of that run.
+    def run() -> None:
+        job.forward(**job.inputs_for(key))
+
+    runs = job.warmup_iters
+    probe = job.probe
+    if probe is None or not probe.wanted(runs):
+        for _ in range(runs):
+            run()
+        return
+    if not probe.first_run(job.inputs_for(key), job.static()):
+        for _ in range(runs):
+            run()
+        return
+    job.notes.extend(probe.second_run(run, extra=runs == 1))
+    for _ in range(runs - 2):
+        run()
 
 
 def capture_failure(exc: Exception, job: CaptureJob, key: GraphKey) -> CaptureError:

@@ -133,7 +133,8 @@ def copy_into_out(result: Any, out: Any) -> Any:
 
     ``out`` leaves may differ in dtype and device (a pinned host buffer): ``copy_`` converts once, and
     returns when the data is there (the caller may read ``out`` at once). A ``None`` leaf in ``out``
-    skips that output. Every leaf is checked before any is written.
+    skips that output. Every leaf is checked (structure, shape, and whether it can be written at all)
+    before any is written.
     """
     got, got_spec = flatten(result)
     want, want_spec = flatten(out)
@@ -157,10 +158,28 @@ def copy_into_out(result: Any, out: Any) -> Any:
             raise InputError(
                 f"out= leaf {i} is {shape}, the step's output leaf {i} has shape {tuple(src.shape)}"
             )
+        reason = _unwritable(dst, src)
+        if reason is not None:
+            raise InputError(f"out= leaf {i} cannot be written: {reason}; nothing was written")
         pairs.append((src, dst))
     for src, dst in pairs:
         dst.copy_(src)
     return out
+
+
+def _unwritable(dst: torch.Tensor, src: torch.Tensor) -> str | None:
+    """Why ``dst.copy_(src)`` would fail, found before anything is written (``None``: it would not)."""
+    if dst.requires_grad and dst.is_leaf and torch.is_grad_enabled():
+        return "it requires grad (pass a tensor without requires_grad, or call run() under torch.no_grad())"
+    if dst.is_inference() and not torch.is_inference_mode_enabled():
+        return "it is an inference tensor and run() is not under torch.inference_mode()"
+    if torch._debug_has_internal_overlap(dst) == 1:  # 1: elements share memory (expand(), stride 0)
+        return "several of its elements share one memory location (an expand()ed or stride-0 tensor)"
+    try:  # shapes, dtypes and anything else the kernel checks, on meta tensors: no data is touched
+        torch.empty_like(dst, device="meta").copy_(torch.empty_like(src, device="meta"))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def leaf_paths(tree: Any, count: int) -> list[str]:

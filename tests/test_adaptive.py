@@ -1,0 +1,109 @@
+"""One compile across sizes, and compiles per size where dynamo cannot trace that one
+(``devgraph.strategies.adaptive``): a forward that specialises on the batch size runs into dynamo's
+recompile limit with one code object; each size then compiles with static shapes, is reported, and is
+refused only where no compile can run it, with advice that names the cause."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from devgraph import CaptureError, GraphRunner, StaticInput
+from devgraph.integrations.hf.regions import CompiledRegion
+from devgraph.platforms.sim.platform import CpuSimPlatform
+from devgraph.strategies.adaptive import AdaptiveCompile, compile_error_kind
+
+SIZES = list(range(1, 11))  # ten sizes: more than dynamo's recompile limit (8) for one code object
+INPUTS = {"x": StaticInput(torch.float32, (4,), fill=0.0)}
+#: A table keyed by the batch size, as engines keep per-size buffers: dynamo guards on the size it reads.
+SCALE = {b: torch.full((4,), float(b)) for b in range(1, 65)}
+
+
+def per_size(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * SCALE[x.shape[0]]
+
+
+def untraceable(x: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.graph_break()
+    return x + 1
+
+
+def reads_a_value(x: torch.Tensor) -> torch.Tensor:
+    if x.sum().long().item() > 3:  # a branch on a value read from the tensor
+        return x * 2
+    return x
+
+
+def compiled(backend: str, forward=per_size, sizes=SIZES) -> GraphRunner:
+    config = f'{{"decode": {{"backend": "{backend}", "compiler": "eager"}}}}'
+    return GraphRunner(forward, phase="decode", inputs=INPUTS, device="cpu", sizes=sizes, config=config)
+
+
+@pytest.mark.parametrize("backend", ["full", "tc_piecewise"])
+def test_a_forward_that_specialises_on_the_batch_compiles_each_size(backend, caplog):
+    runner = compiled(backend)
+    with caplog.at_level(logging.WARNING, logger="devgraph.strategies.adaptive"):
+        report = runner.capture()  # before: CaptureError "FailOnRecompileLimitHit: Hard failure ..."
+    info = runner.inspect()
+    assert info["compile"] == "per_shape" and info["fallback_kind"] == "recompile_limit"
+    assert "specialises on the batch size" in info["fallback_cause"]
+    assert info["static_compiles"] >= 1 and info["fallback_seconds"] > 0
+    assert any("static shapes" in note for note in report.notes)
+    assert "static shapes" in report.table()
+    assert any("compiling each size with static shapes" in r.getMessage() for r in caplog.records)
+    for n in (1, 3, 7, 10):
+        x = torch.randn(n, 4)
+        result = runner.verify(x=x)
+        assert result.replayed and result.ok and result.max_abs_diff == 0
+        torch.testing.assert_close(runner.run(x=x), per_size(x))
+    assert runner.inspect()["recompiles"] == 0  # verify() reuses the compile of its size
+
+
+def test_a_forward_no_compile_can_trace_is_refused_naming_both_causes():
+    runner = compiled("full", untraceable, sizes=[1, 2])
+    with pytest.raises(CaptureError) as caught:
+        runner.capture()
+    message = str(caught.value)
+    assert "one compile across sizes failed (graph_break" in message
+    assert "so did a compile of this size with static shapes (the same error)" in message
+    assert "@devgraph.graph_break op" in message and caught.value.cause == "torch_compile"
+    assert not runner.keys  # nothing half-captured stays
+
+
+def test_a_branch_on_a_tensor_value_is_refused_with_advice_about_the_value():
+    runner = compiled("full", reads_a_value, sizes=[1, 2])
+    # .item() traced into the graph (a user's config): dynamo then meets the branch on its value
+    with (
+        torch._dynamo.config.patch(capture_scalar_outputs=True),
+        pytest.raises(CaptureError, match="data-dependent") as caught,
+    ):
+        runner.capture()
+    assert "decides a shape or a branch from a value read out of a tensor" in str(caught.value)
+
+
+def test_a_plain_forward_keeps_one_dynamic_compile():
+    runner = compiled("full", lambda x: torch.tanh(x) * 2)
+    runner.capture()
+    info = runner.inspect()
+    assert info["compile"] == "dynamic" and info["compiles"] == 1 and "fallback_kind" not in info
+    assert runner.report is not None and not runner.report.notes
+
+
+def test_an_error_of_the_forward_itself_is_reported_with_its_own_message():
+    assert compile_error_kind(RuntimeError("shape mismatch")) is None  # raised by running code: no fallback
+    compiled_fn = AdaptiveCompile(lambda x: x.view(3, 5), lambda gm, ex: gm, "probe")
+    with pytest.raises(CaptureError) as caught:
+        compiled_fn(torch.ones(4, 2))
+    assert "shape '[3, 5]' is invalid for input of size 8" in str(caught.value)
+    assert "run the forward eagerly on these shapes" in str(caught.value)
+
+
+def test_a_fast_path_region_that_specialises_compiles_each_shape():
+    region = CompiledRegion(per_size, "eager", CpuSimPlatform(), dynamic_args=1)
+    for n in SIZES:
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(region(x), per_size(x))
+    described = region.describe()
+    assert described["compile"] == "per_shape" and described["fallback_kind"] == "recompile_limit"
