@@ -26,17 +26,22 @@ from devgraph.errors import (
 from devgraph.flag.config import DeviceGraphConfig, PhaseConfig, add_device_graph_args
 from devgraph.flag.factory import best_platform, create_backend, resolve_platform
 from devgraph.flag.sizes import DEFAULT_DECODE_SIZES, DEFAULT_PREFILL_SIZES, SizeSchedule, resolve_sizes
+from devgraph.flag.trace import PhaseSteps, load_steps, write_trace
+from devgraph.flag.tuning import apply_tuned, optimal_sizes, tune_phase
 from devgraph.registry.hookspecs import hookimpl
 from devgraph.registry.plugins import get_registry
 from devgraph.registry.register import register_backend
 from devgraph.registry.rules import CompatibilityRule
 from devgraph.runner.capture.loop import CaptureReport, KeyReport
-from devgraph.runner.dispatch import EagerReason
+from devgraph.runner.capture.pool import GraphPool
+from devgraph.runner.dispatch import EagerReason, FallbackReason
 from devgraph.runner.graph_runner import GraphRunner
 from devgraph.runner.state import StateHooks
+from devgraph.runner.stepping import Agreement
 from devgraph.runner.verify import VerifyResult
 
 __all__ = [
+    "Agreement",
     "Availability",
     "BackendOptions",
     "BackendUnavailableError",
@@ -54,14 +59,17 @@ __all__ = [
     "DeviceGraphBackend",
     "DeviceGraphConfig",
     "EagerReason",
+    "FallbackReason",
     "GraphKey",
     "GraphPlatform",
+    "GraphPool",
     "GraphRunner",
     "InputError",
     "KeyReport",
     "PHASES",
     "Phase",
     "PhaseConfig",
+    "PhaseSteps",
     "REQUESTS",
     "RecompileError",
     "RegistrationError",
@@ -74,6 +82,7 @@ __all__ = [
     "TOKENS",
     "VerifyResult",
     "add_device_graph_args",
+    "apply_tuned",
     "best_platform",
     "create_backend",
     "forward_context",
@@ -83,8 +92,12 @@ __all__ = [
     "hookimpl",
     "is_capturing",
     "is_replaying",
+    "load_steps",
+    "optimal_sizes",
     "register_backend",
     "resolve_platform",
     "resolve_sizes",
+    "tune_phase",
+    "write_trace",
     "__version__",
 ]

@@ -34,10 +34,11 @@ def test_bare_devgraph_prints_usage_and_exits_2(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("usage: devgraph [-h] [--version] COMMAND ...")
-    for command in ("info", "demo", "serve", "bench"):
+    for command in ("info", "demo", "tune", "serve", "bench"):
         assert f"\n    {command} " in captured.err
     assert (
-        captured.err.splitlines()[-1] == "devgraph: error: a command is required: info, demo, serve or bench"
+        captured.err.splitlines()[-1]
+        == "devgraph: error: a command is required: info, demo, tune, serve or bench"
     )
     assert main(["bench"]) == 2
     err = capsys.readouterr().err

@@ -351,7 +351,9 @@ def test_bad_out_is_an_input_error_and_writes_nothing(out, fragment):
     with pytest.raises(InputError) as info:
         runner.run(x=x_of(2), out=out)
     assert fragment in str(info.value)
-    assert all(torch.equal(a, b) for a, b in zip(tensor_leaves(out), before, strict=True) if a.numel())
+    # torch.empty may hold NaN: compare bit patterns, not values (NaN != NaN).
+    leaves = zip(tensor_leaves(out), before, strict=True)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in leaves if a.numel())
 
 
 def pair_forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -477,7 +479,10 @@ def test_verify_is_not_fooled_by_infinite_outputs():
         logits = x + state["bias"]
         return logits.masked_fill(torch.arange(4) == 0, float("-inf"))
 
-    runner = GraphRunner(forward, phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES)
+    # The address guard would name the rebound tensor before verify() compares anything: off, to test verify.
+    runner = GraphRunner(
+        forward, phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES, address_guard=False
+    )
     runner.capture()
     assert runner.verify(x=torch.ones(3, 4)).ok
     state["bias"] = torch.full((4,), 100.0)  # rebound, not copied: the graph is stale

@@ -76,6 +76,7 @@ def test_scripted_steps_give_exact_counts():
         "variant_not_captured": 1,
         "not_captured": 0,
         "backend_declined": 1,
+        "peer_eager": 0,
     }
     assert stats["real_rows"] == 1 + 4 + 3 + 3 and stats["padded_rows"] == 2
     assert stats["padding_waste"] == pytest.approx(2 / 11)
@@ -178,6 +179,8 @@ def test_prometheus_collector_exposes_the_counters():
     assert value("devgraph_padded_rows_total", labels) == 2
     for name in ("hits", "misses", "evictions"):
         assert value(f"devgraph_lazy_{name}_total", labels) == 0
+    for reason in ("backend_declined", "not_captured"):  # no fallback graph set: nothing replayed by one
+        assert value("devgraph_fallback_replays_total", {**labels, "reason": reason}) == 0
     runner.run(x=x_of(3), variant={"lora": False})  # read at scrape time: no step pays for metrics
     assert value("devgraph_replays_total", {**labels, "key": "tokens=4,lora=False"}) == 3
     assert b"devgraph_eager_steps_total" in generate_latest(registry)

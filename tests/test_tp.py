@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ranks_launch import free_port, launch_ranks
 
 from devgraph import ranks
 from devgraph.errors import ConfigError
@@ -26,12 +23,6 @@ from devgraph.reference.tp import TPReferenceModel
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 RANK_TIMEOUT_S = 10  # DEVGRAPH_RANK_TIMEOUT_S for the launches: short, so a broken handshake fails fast
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(
@@ -44,39 +35,7 @@ def launch(
     timeout: float = RANK_TIMEOUT_S,
 ) -> dict[int, Any]:
     """Run the worker as ranks 0 and 1; returns each rank's findings (and its exit code and log)."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            ranks.RANK_TIMEOUT_ENV: str(timeout),
-            "OMP_NUM_THREADS": "1",  # two ranks share the CI machine's cores
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),  # 127.0.0.1 only
-        }
-        log = (out / f"rank{rank}.log").open("w")
-        command = [sys.executable, str(WORKER), scenarios, "--out", str(out), "--device", device, *extra]
-        procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + limit
-    found: dict[int, Any] = {}
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = "timed out"
-        log.close()
-        path = out / f"rank{rank}.json"
-        found[rank] = json.loads(path.read_text()) if path.exists() else {}
-        found[rank]["exit"] = code
-        found[rank]["log"] = (out / f"rank{rank}.log").read_text()[-4000:]
-    return found
+    return launch_ranks(WORKER, scenarios, out, device=device, extra=extra, limit=limit, timeout=timeout)
 
 
 def _check_scenario(found: dict[int, Any], name: str, ranks_: tuple[int, ...] = (0, 1)) -> list[Any]:
@@ -314,7 +273,7 @@ def test_the_simulator_records_a_c10d_collective(unused_port):
 
 @pytest.fixture
 def unused_port() -> int:
-    return _free_port()
+    return free_port()
 
 
 # -- two GPUs: NCCL -------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The ``devgraph`` command: ``info`` (what is installed and usable here), ``demo``, ``serve`` and ``bench``.
+"""The ``devgraph`` command: ``info`` (what is installed and usable here), ``demo``, ``tune`` (capture sizes
+from recorded steps), ``serve`` and ``bench``.
 
 Every error is one line in argparse's style, prefixed by the command that failed
 (``devgraph demo: error: ...``, ``devgraph serve: error: ...``; ``devgraph: error: ...`` before a command
@@ -147,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tensor-parallel ranks (launch with torchrun --nproc-per-node N -m devgraph demo --tp N)",
     )
+    from devgraph.cli.tune import add_tune_command
     from devgraph.serve.cli import add_serve_commands  # the serving application, reached only here
 
+    add_tune_command(sub)
     add_serve_commands(sub)
     return parser
 
@@ -194,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        return missing_command(parser, "info, demo, serve or bench")
+        return missing_command(parser, "info, demo, tune, serve or bench")
     if args.command == "bench" and args.bench is None:
         return missing_command(args.command_parser, "serve")
     return run_command(args.command_parser.prog, lambda: _run(args))
@@ -205,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
         from devgraph.cli.info import run_info
 
         return run_info(as_json=args.json)
-    if args.command in ("serve", "bench"):
+    if args.command in ("tune", "serve", "bench"):
         return int(args.run(args))
     try:
         check_demo_args(args)

@@ -76,6 +76,8 @@ class DeviceGraphBackend(ABC):
     runs_breaks_eagerly: ClassVar[bool | None] = None
     #: Whether :meth:`release` can drop one key's graph (the lazily captured encoder cache needs it).
     supports_release: ClassVar[bool] = False
+    #: Whether :meth:`use_pool` can capture into a pool other backends share (``GraphRunner(pool=...)``).
+    supports_shared_pool: ClassVar[bool] = False
 
     def __init__(self, platform: GraphPlatform, *, phase: str, options: BackendOptions | None = None) -> None:
         self.platform = platform
@@ -160,6 +162,13 @@ class DeviceGraphBackend(ABC):
     def runtime_session(self) -> contextlib.AbstractContextManager[None]:
         """Context around each replay (per-step flags, e.g. telling break ops they replay)."""
         return contextlib.nullcontext()
+
+    def use_pool(self, pool: Any) -> None:
+        """Capture into ``pool``, a graph-pool handle other backends share (they replay one at a time)."""
+        raise ConfigError(
+            f"backend {self.platform.name}:{self.name} cannot capture into a shared pool; use a backend with "
+            "supports_shared_pool (every built-in graph strategy has it)"
+        )
 
     # -- teardown -----------------------------------------------------------------------------------
     def release(self, key: GraphKey) -> None:

@@ -135,6 +135,11 @@ class GraphPlatform(ABC):
         """
         return tensor
 
+    def note_outputs(self, pool: Any, outputs: Any) -> None:  # noqa: B027 - optional hook
+        """Told, after each capture into ``pool``, the outputs it returned: tensors that stay alive while
+        the graph lives, so the pool cannot reuse their memory for later captures. Devices whose allocator
+        tracks that itself need nothing (the default); the CPU simulator models a device pool with it."""
+
     def record_opaque(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` inside the current capture so that replay runs it again.
 

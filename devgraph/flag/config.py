@@ -51,7 +51,8 @@ GRAMMAR = (
     "auto | disabled | MODE | phase=MODE[,phase=MODE] | JSON object "
     '{"PHASE": MODE | {"backend": MODE, "sizes": [N, ..], "max_size": N, "compiler": "eager"|"inductor", '
     '"inductor_mode": .., "on_recompile": "warn"|"raise", "cache_dir": PATH, "warmup_iters": N, '
-    '"lazy": BOOL, "max_graphs": N, "max_graph_bytes": N}} (docs/flag.md)'
+    '"lazy": BOOL, "max_graphs": N, "max_graph_bytes": N, "fallback": MODE, "axes": {"AXIS": [N, ..]}}} '
+    "(docs/flag.md)"
 )
 #: The flag's text is bounded before anything parses it (a JSON config of every phase fits easily).
 MAX_FLAG_CHARS = 65536
@@ -74,6 +75,10 @@ class PhaseConfig:
     * ``warmup_iters``: warm-up runs before each capture (0 to 16).
     * ``lazy``: capture each key on first sight instead of at start-up (the encoder cache), bounded by
       ``max_graphs`` graphs and ``max_graph_bytes`` bytes.
+    * ``fallback``: a second graph mode whose graphs replay the steps ``backend`` declines (its ``can_run``
+      says no, or its capture of that key failed).
+    * ``axes``: buckets of the axes other than tokens (``{"requests": [1, 4, 16]}``), each cut at the token
+      size (a step never has more requests than tokens); ``devgraph tune`` writes them.
     """
 
     backend: str = "auto"
@@ -87,6 +92,8 @@ class PhaseConfig:
     lazy: bool | None = None
     max_graphs: int | None = None
     max_graph_bytes: int | None = None
+    fallback: str | None = None
+    axes: tuple[tuple[str, tuple[int, ...]], ...] | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -107,7 +114,11 @@ class PhaseConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and value != f.default:
-                out[f.name] = list(value) if f.name == "sizes" else value
+                if f.name == "sizes":
+                    value = list(value)
+                elif f.name == "axes":
+                    value = {axis: list(sizes) for axis, sizes in value}
+                out[f.name] = value
         return out
 
 

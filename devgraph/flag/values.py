@@ -54,6 +54,8 @@ PHASE_KEYS: tuple[str, ...] = (
     "lazy",
     "max_graphs",
     "max_graph_bytes",
+    "fallback",
+    "axes",
 )
 COMPILERS: tuple[str, ...] = tuple(c.value for c in Compiler)
 #: Inductor modes that leave CUDA graphs to devgraph.
@@ -190,6 +192,40 @@ def _size_phase(phase: str | None) -> str:
     return max(HARD_MAX_SIZE, key=lambda p: HARD_MAX_SIZE[p])
 
 
+def _check_fallback(value: object, what: str, modes: ModeNames | None) -> str:
+    """A fallback is a mode that captures graphs: not ``auto`` (ambiguous), nor one that runs eagerly
+    (steps the primary declines already run eagerly without a fallback)."""
+    name = check_mode(value, what, modes)
+    if name in SPECIAL_MODES or name == Strategy.EAGER.value:
+        captured = [s.value for s in Strategy if s is not Strategy.EAGER]
+        raise ConfigError(
+            f"{what} {name!r} captures no graphs; a fallback is a graph mode such as {', '.join(captured)} "
+            "(steps no graph set takes run eagerly anyway)"
+        )
+    return name
+
+
+def _check_axes(value: object, what: str, phase: str | None) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``{"requests": [1, 2, 4]}``: buckets of axes other than tokens, as sorted pairs (the form a
+    PhaseConfig holds, which this also accepts)."""
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(
+            f"{what} must be an object mapping an axis other than tokens to its sizes, e.g. "
+            f'{{"requests": [1, 4, 16]}}; got {shorten(value)}'
+        )
+    pairs = []
+    for axis, sizes in value.items():
+        if not isinstance(axis, str) or not axis.isidentifier() or axis == "tokens":
+            raise ConfigError(
+                f"{what} keys are axis names other than 'tokens' (whose sizes are 'sizes'), "
+                f"got {shorten(axis)}"
+            )
+        pairs.append((axis, tuple(sorted(set(check_size_list(_size_phase(phase), sizes, f"{what}.{axis}"))))))
+    return tuple(sorted(pairs))
+
+
 def check_field(
     key: str, value: Any, what: str, phase: str | None, modes: ModeNames | None, *, python: bool = False
 ) -> Any:
@@ -220,6 +256,10 @@ def check_field(
         return _check_int(value, what, 1, MAX_GRAPHS_MAX, python)
     if key == "max_graph_bytes":
         return _check_int(value, what, 0, MAX_GRAPH_BYTES_MAX, python)
+    if key == "fallback":
+        return _check_fallback(value, what, modes)
+    if key == "axes":
+        return _check_axes(value, what, phase)
     raise bad(key, "key", PHASE_KEYS)
 
 
@@ -257,6 +297,23 @@ def check_combination(values: Mapping[str, Any], prefix: str) -> None:
             f'{prefix}inductor_mode {inductor_mode!r} needs {prefix}compiler "inductor" '
             f"(got {shorten(compiler)}); add it or drop inductor_mode"
         )
+    fallback = values.get("fallback")
+    if fallback is not None:
+        if fallback == backend:
+            raise ConfigError(
+                f"{prefix}fallback {fallback!r} is the phase's own mode; name another graph mode"
+            )
+        if backend in (SpecialMode.DISABLED.value, Strategy.EAGER.value):
+            raise ConfigError(
+                f"{prefix}fallback {fallback!r} backs a mode that captures graphs; "
+                f"{prefix}backend is {backend!r}"
+            )
+        if values.get("lazy"):
+            raise ConfigError(
+                f"{prefix}fallback is captured at start-up, but {prefix}lazy captures each key on first "
+                "sight; "
+                "drop one of them"
+            )
     if values.get("lazy") is False:
         for key in ("max_graphs", "max_graph_bytes"):
             if values.get(key) is not None:

@@ -3,7 +3,8 @@
 Tensor-parallel runners talk over two groups. The engine's process group (NCCL on GPUs) carries the
 model's collectives, which live inside the graphs. A small gloo *control group* that devgraph builds once
 per process group, over the same ranks, carries devgraph's own messages: the capture handshake
-(:class:`CaptureSync`) and the per-step key check (:func:`assert_same_key`). gloo raises on a timeout or a
+(:class:`CaptureSync`), the per-step key check (:func:`assert_same_key`) and the data-parallel key
+agreement (:func:`agree_counts`). gloo raises on a timeout or a
 dead peer, where a collective stuck on a device is only ended by NCCL's watchdog killing the process. The
 timeout is :func:`rank_timeout_s` (``DEVGRAPH_RANK_TIMEOUT_S``, default 60 s). Teardown keeps graphs
 released before their communicator is destroyed (:mod:`devgraph.ranks.teardown`). See
@@ -11,6 +12,7 @@ docs/tensor-parallel.md.
 """
 
 from devgraph.ranks.capture import CaptureSync
+from devgraph.ranks.dp import GroupAgreement, GroupCounts, agree_counts, variant_code
 from devgraph.ranks.group import (
     DEFAULT_RANK_TIMEOUT_S,
     RANK_TIMEOUT_ENV,
@@ -38,8 +40,11 @@ from devgraph.ranks.teardown import (
 __all__ = [
     "CaptureSync",
     "DEFAULT_RANK_TIMEOUT_S",
+    "GroupAgreement",
+    "GroupCounts",
     "PeerLost",
     "RANK_TIMEOUT_ENV",
+    "agree_counts",
     "assert_same_key",
     "barrier",
     "close_runners",
@@ -56,4 +61,5 @@ __all__ = [
     "release_backend",
     "settle_device",
     "track_runner",
+    "variant_code",
 ]

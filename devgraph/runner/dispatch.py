@@ -3,7 +3,8 @@
 :meth:`Dispatcher.decide` maps a validated step to the smallest captured :class:`GraphKey` that holds it:
 the smallest token size ``>= n`` whose buckets on every other axis hold that axis's count, with the step's
 variant. When no key fits, the step runs eagerly and the :class:`EagerReason` says why; the runner counts
-every reason, so no eager fallback is silent.
+every reason, so no eager fallback is silent. A runner with a second graph set (``fallback``) replays the
+fallback's graph of the key where the primary declines it, counted by :class:`FallbackReason`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from devgraph.contract.keys import TOKENS, GraphKey, bucket_index
 from devgraph.contract.modes import Word
 from devgraph.runner.schedule import KeySchedule
 
-__all__ = ["Decision", "Dispatcher", "EagerReason"]
+__all__ = ["Decision", "Dispatcher", "EagerReason", "FallbackReason", "SecondSet"]
 
 
 class EagerReason(Word):
@@ -29,14 +30,35 @@ class EagerReason(Word):
     VARIANT_NOT_CAPTURED = "variant_not_captured"  # a variant value that was not declared for capture
     NOT_CAPTURED = "not_captured"  # the key exists in the schedule but holds no graph
     BACKEND_DECLINED = "backend_declined"  # backend.can_run() said no for this step
+    PEER_EAGER = "peer_eager"  # data parallel: another rank of the group runs this step eagerly
+
+
+class FallbackReason(Word):
+    """Why a step replayed the fallback graph set's graph instead of the primary's."""
+
+    BACKEND_DECLINED = "backend_declined"  # the primary's can_run() said no for this step
+    NOT_CAPTURED = "not_captured"  # the primary holds no graph for the key (its capture failed)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A step's route: replay ``key``, or run eagerly for ``reason``."""
+    """A step's route: replay ``key`` (the fallback set's graph when ``fallback`` says why), or run
+    eagerly for ``reason``."""
 
     key: GraphKey | None
     reason: EagerReason | None = None
+    fallback: FallbackReason | None = None
+
+
+@dataclass(frozen=True)
+class SecondSet:
+    """The fallback graph set as the dispatcher asks it: does it hold the key, and may the step replay it."""
+
+    has_shape: Callable[[GraphKey], bool]
+    can_run: Callable[[GraphKey], bool] | None = None
+
+    def takes(self, key: GraphKey) -> bool:
+        return self.has_shape(key) and (self.can_run is None or self.can_run(key))
 
 
 class Dispatcher:
@@ -87,9 +109,11 @@ class Dispatcher:
         lazy: bool = False,
         can_run: Callable[[GraphKey], bool] | None = None,
         failed: Container[GraphKey] = (),
+        second: SecondSet | None = None,
     ) -> Decision:
         """Route a step, then check the runner's state: a key replays only if its graph exists (or, for a
-        lazily capturing runner, will be captured now) and ``can_run`` (the backend's veto) allows it."""
+        lazily capturing runner, will be captured now) and ``can_run`` (the backend's veto) allows it;
+        where the primary declines, ``second`` (the fallback set) replays the key if it can."""
         if not uses_graphs:
             return Decision(None, EagerReason.DISABLED)
         if not captured:
@@ -100,7 +124,11 @@ class Dispatcher:
             return decision
         if (not lazy and not has_shape(key)) or (lazy and key in failed):
             # Not captured; for a lazy runner, its capture failed once (raised then), so it runs eagerly.
-            return Decision(None, EagerReason.NOT_CAPTURED)
-        if can_run is not None and not can_run(key):
-            return Decision(None, EagerReason.BACKEND_DECLINED)
-        return decision
+            declined = EagerReason.NOT_CAPTURED
+        elif can_run is not None and not can_run(key):
+            declined = EagerReason.BACKEND_DECLINED
+        else:
+            return decision
+        if second is not None and second.takes(key):
+            return Decision(key, fallback=FallbackReason(declined.value))
+        return Decision(None, declined)

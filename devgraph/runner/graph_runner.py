@@ -12,23 +12,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from devgraph.contract.backend import DeviceGraphBackend
-from devgraph.contract.context import forward_context
 from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.errors import ConfigError, InputError
 from devgraph.flag.config import DeviceGraphConfig
 from devgraph.flag.factory import ResolvedPhase
+from devgraph.flag.trace import PhaseSteps
 from devgraph.messages import shorten
-from devgraph.ranks import assert_same_key, release_backend, track_runner
+from devgraph.ranks import assert_same_key, release_backend
+from devgraph.runner import lifecycle
 from devgraph.runner.capture.graphs import RunnerGraphs
 from devgraph.runner.capture.loop import CaptureReport
-from devgraph.runner.dispatch import Decision, Dispatcher
+from devgraph.runner.capture.pool import GraphPool
+from devgraph.runner.capture.sets import GraphSets
+from devgraph.runner.dispatch import Decision
 from devgraph.runner.inspection import describe_runner
 from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.outputs.trees import copy_into_out, copy_tree
@@ -36,14 +40,15 @@ from devgraph.runner.plan import check_signature, plan_runner
 from devgraph.runner.schedule import AxisSizes, KeySchedule
 from devgraph.runner.staging import StaticBuffers, StepValidator
 from devgraph.runner.stats import RunnerStats
-from devgraph.runner.verify import VerifyResult, compare
+from devgraph.runner.stepping import Agreement, Stepper
+from devgraph.runner.verify import VerifyResult
 
 __all__ = ["GraphRunner"]
 
 logger = logging.getLogger(__name__)
 
 #: Keywords of run() and verify(): an input may not use these names.
-RESERVED_NAMES = frozenset({"n", "context", "counts", "variant", "copy", "out", "rtol", "self"})
+RESERVED_NAMES = frozenset({"n", "context", "counts", "variant", "copy", "out", "rtol", "self", "agreement"})
 
 
 class GraphRunner:
@@ -91,13 +96,18 @@ class GraphRunner:
         capture_hook: Callable[[], Any] | None = None,
         check_lockstep: bool = False,
         single_thread: bool = False,
+        fallback: str | None = None,
+        pool: GraphPool | None = None,
+        address_guard: bool = True,
+        dp_group: Any = None,
+        record_steps: bool = False,
     ) -> None:
         if not callable(forward):
             raise ConfigError(f"GraphRunner forward must be callable, got {shorten(forward)}")
         self.forward = forward
         flag_keys = {"sizes": sizes, "max_size": max_size, "compiler": compiler, "warmup_iters": warmup_iters}
-        flag_keys.update(lazy=lazy, max_graphs=max_graphs, max_graph_bytes=max_graph_bytes)
-        self.plan, backend = plan_runner(
+        flag_keys.update(lazy=lazy, max_graphs=max_graphs, max_graph_bytes=max_graph_bytes, fallback=fallback)
+        self.plan, backend, second = plan_runner(
             phase=phase,
             inputs=inputs,
             reserved=RESERVED_NAMES,
@@ -118,30 +128,28 @@ class GraphRunner:
             output_axes=output_axes,
             check_lockstep=check_lockstep,
             single_thread=single_thread,
+            dp_group=dp_group,
+            address_guard=address_guard,
         )
         plan = self.plan
         check_signature(forward, [*plan.inputs, *plan.schedule.variants], plan.phase)
         self.backend: DeviceGraphBackend = backend
         #: Check each step that every rank replays the same key (an all-gather); may flip between steps.
         self.check_lockstep: bool = plan.check_lockstep
-        self._dispatcher = Dispatcher(plan.schedule)
         self._validator = StepValidator(plan)
         self._buffers = StaticBuffers(plan.inputs, plan.schedule.max_rows(), plan.device)
         # Decode's request count is its token count: an output following either is cut the same way.
         linked = frozenset({REQUESTS}) if plan.tokens_per_request == 1 else frozenset()
         self._layout = OutputLayout(plan.output_axes, same_as_tokens=linked)
-        self._stats = RunnerStats()
+        self._stats = RunnerStats(recorded=Counter() if record_steps else None)
         self._lock = contextlib.nullcontext() if plan.single_thread else threading.RLock()
         self._closed = self._captured = False
         self.report: CaptureReport | None = None
-        self._check_can_run = type(backend).can_run is not DeviceGraphBackend.can_run
-        backend.bind(self)  # first: a backend another runner owns is refused before anything is compiled
-        if backend.captured_keys():
-            # Graphs of an earlier owner that was dropped without close(): they read its buffers, not ours.
-            logger.info("devgraph: releasing graphs a previous runner left in its %s backend", backend.name)
-            backend.cleanup()
-        self._graphs = RunnerGraphs(plan, backend, forward, self._buffers, self._layout, self._stats)
-        track_runner(self, plan.process_group)  # devgraph.ranks.destroy_process_group() closes it first
+        self.pool: GraphPool | None = None
+        self._steps: Stepper
+        self._sets: GraphSets
+        self._graphs: RunnerGraphs
+        lifecycle.assemble(self, backend, second, pool)  # ... and tracks it for destroy_process_group()
 
     # -- what the plan resolved (runner.plan has it all) --------------------------------------------
     @property
@@ -205,7 +213,7 @@ class GraphRunner:
             return None
         counts = {TOKENS: n, **{a: 1 for a in self.schedule.axis_names}}
         variant = {name: values[0] for name, values in self.schedule.variants.items()}
-        key = self._route(counts, variant).key  # no per-step context here, so no backend veto
+        key = self._steps.route(counts, variant).key  # no per-step context here, so no backend veto
         return key.tokens if key is not None else None
 
     # -- capture ------------------------------------------------------------------------------------
@@ -221,9 +229,49 @@ class GraphRunner:
         with self._lock:
             self._check_open()
             if not self._captured:
-                self.report = self._graphs.start_up()
+                self.report = lifecycle.start_up(self)
                 self._captured = True
             return self.report or self._graphs.empty_report()
+
+    def refresh(self) -> CaptureReport:
+        """Release every graph and capture again on the tensors the forward reaches now (user guide)."""
+        with self._lock:
+            self._check_open()
+            lifecycle.release_all(self)
+            return self.capture()
+
+    def check_addresses(self) -> None:
+        """Check every tensor the graphs use, not only what an event reported (see the user guide)."""
+        with self._lock:
+            lifecycle.check_addresses(self)
+
+    def retune(self, sizes: Sequence[int], *, lazy: bool = True) -> list[GraphKey]:
+        """Switch to other token ``sizes`` while serving (tuned ones): graphs of keys that stay are kept,
+        others released, new keys (returned) captured on first sight (``lazy``) or now. See the user guide."""
+        with self._lock:
+            self._check_open()
+            return lifecycle.retune(self, sizes, lazy=lazy)
+
+    def record_steps(self, on: bool = True) -> None:
+        """Start (or stop) counting steps per count tuple: ``stats()["recorded"]``, :meth:`recorded_steps`."""
+        with self._lock:
+            self._stats.recorded = (self._stats.recorded or Counter()) if on else None
+
+    def recorded_steps(self) -> PhaseSteps:
+        """The steps recorded so far, with the schedule and graph bytes, for ``write_trace`` / ``tune``."""
+        with self._lock:
+            return lifecycle.recorded_steps(self)
+
+    def agree(
+        self, n: int | None = None, context: Any = None, *, counts: Mapping[str, int] | None = None,
+        variant: Mapping[str, Hashable] | None = None,
+    ) -> Agreement:  # fmt: skip
+        """With ``dp_group``: agree on this step's key with the other ranks (one all-reduce); the counts every
+        rank pads to. Pass it to :meth:`run` as ``agreement=``. See docs/tensor-parallel.md."""
+        with self._lock:
+            self._check_open()
+            step, chosen = self._validator.validate_counts(n, counts, variant)
+            return self._steps.agree(step, chosen, context)
 
     # -- run ----------------------------------------------------------------------------------------
     def run(
@@ -235,6 +283,7 @@ class GraphRunner:
         variant: Mapping[str, Hashable] | None = None,
         copy: bool = False,
         out: Any = None,
+        agreement: Agreement | None = None,
         **inputs: torch.Tensor,
     ) -> Any:
         """Run one step of ``n`` tokens (default: the rows of the first tokens-axis input).
@@ -252,34 +301,10 @@ class GraphRunner:
         with self._lock:
             self._check_open()
             step, chosen = self._validator.validate(n, counts, variant, inputs)
-            result = self._step(step, chosen, context, inputs, count=True)
+            result = self._step(step, chosen, context, inputs, count=True, agreement=agreement)
             if out is not None:
                 return copy_into_out(result, out)
             return copy_tree(result) if copy else result
-
-    def _decide(self, step: Batch, variant: Mapping[str, Any], context: Any) -> Decision:
-        backend = self.backend
-        can_run = (lambda key: backend.can_run(step.routed(key, context))) if self._check_can_run else None
-        return self._route(step.counts, variant, can_run)
-
-    def _route(
-        self,
-        counts: Mapping[str, int],
-        variant: Mapping[str, Any],
-        can_run: Callable[[GraphKey], bool] | None = None,
-    ) -> Decision:
-        """The dispatcher's decision for ``counts`` given this runner's state (captured and failed keys)."""
-        backend = self.backend
-        return self._dispatcher.decide(
-            counts,
-            variant,
-            uses_graphs=backend.uses_graphs,
-            captured=self._captured,
-            has_shape=backend.has_shape,
-            lazy=self.lazy,
-            failed=self._graphs.lazy.failed,
-            can_run=can_run,
-        )
 
     def _step(
         self,
@@ -289,30 +314,14 @@ class GraphRunner:
         inputs: Mapping[str, torch.Tensor],
         *,
         count: bool,
+        agreement: Agreement | None = None,
+        decision: Decision | None = None,
     ) -> Any:
-        decision = self._decide(step, variant, context)
-        key = decision.key
+        steps = self._steps
+        decision = decision or steps.decide(step, variant, context, agreement)
         if self.check_lockstep:
-            assert_same_key(self.plan.process_group, key)
-        if key is None:
-            if count:
-                self._stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
-            return self._eager(context, variant, inputs)
-        if self.lazy:
-            self._graphs.lazy.lookup(key, count)
-        self._buffers.stage(step.counts, key, inputs)
-        with forward_context(context), self.backend.runtime_session():
-            raw = self.backend.replay(key, self._buffers.buffers)
-        if count:
-            self._stats.replayed(key, step.n)
-        return self._layout.slice(raw, step.counts, key)
-
-    def _eager(self, context: Any, variant: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> Any:
-        # The forward gets its own copies, as on the graph path: its in-place changes never reach the caller.
-        owned = {name: value.clone() for name, value in inputs.items()}
-        # The plain forward, never the compiled one: an eager step can never trigger a recompile.
-        with forward_context(context), torch.no_grad():
-            return self.forward(**owned, **variant)
+            assert_same_key(self.plan.process_group, decision.key)
+        return steps.run(step, variant, context, inputs, decision, count=count)
 
     # -- checks -------------------------------------------------------------------------------------
     def verify(
@@ -335,19 +344,9 @@ class GraphRunner:
             self._check_open()
             step, chosen = self._validator.validate(n, counts, variant, inputs)
             self._stats.verify_calls += 1
-            key = self._decide(step, chosen, context).key
-            with self.plan.state.preserved() as restore:
-                graph = copy_tree(self._step(step, chosen, context, inputs, count=False))
-                restore()
-                unpadded = copy_tree(self._eager(context, chosen, inputs))
-                padded = unpadded
-                if key is not None:
-                    restore()
-                    self._buffers.stage(step.counts, key, inputs)
-                    with forward_context(context), torch.no_grad():
-                        raw = self._graphs.forward(**self._buffers.views(key), **chosen)
-                    padded = copy_tree(self._layout.slice(raw, step.counts, key, replay=False))
-            return compare(step.n, key, graph, padded, unpadded, rtol)
+            decision = self._steps.decide(step, chosen, context, None)
+            replay = lambda: self._step(step, chosen, context, inputs, count=False, decision=decision)  # noqa: E731
+            return self._steps.verify(step, chosen, context, inputs, decision, replay, rtol)
 
     # -- inspection ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -363,7 +362,8 @@ class GraphRunner:
         """What was set up and captured, as plain data (no private attributes needed)."""
         with self._lock:
             captured = self.report is not None
-            return describe_runner(self.plan, self.backend, self._graphs.reports, self._layout, captured)
+            info = describe_runner(self.plan, self.backend, self._graphs.reports, self._layout, captured)
+            return {**info, **lifecycle.describe_extras(self)}
 
     # -- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -372,11 +372,11 @@ class GraphRunner:
             if self._closed:
                 return
             try:
-                release_backend(self.backend, self.plan.process_group, self.platform)
+                for backend in self._sets.backends:
+                    release_backend(backend, self.plan.process_group, self.platform)
             finally:
-                self.backend.unbind(self)
+                lifecycle.let_go(self)
                 self._buffers.clear()
-                self._graphs.clear()
                 self._captured = False
                 self.report = None
                 self._closed = True

@@ -86,6 +86,11 @@ class RunnerCollector:
             "evictions": core.CounterMetricFamily(
                 f"{name}_lazy_evictions", "Lazily captured graphs evicted", labels=labels
             ),
+            "fallback": core.CounterMetricFamily(
+                f"{name}_fallback_replays",
+                "Steps the primary graph set declined, replayed by the fallback set, per reason",
+                labels=[*labels, "reason"],
+            ),
         }
         with self._lock:
             runners = list(self._runners)
@@ -100,6 +105,8 @@ class RunnerCollector:
             families["padded_rows"].add_metric(base, stats["padded_rows"])
             for field in ("hits", "misses", "evictions"):
                 families[field].add_metric(base, stats["lazy"][field])
+            for reason, count in stats["fallback"]["by_reason"].items():
+                families["fallback"].add_metric([*base, reason], count)
         yield from families.values()
 
 

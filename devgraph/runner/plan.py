@@ -10,6 +10,7 @@ key schedule. The runner and its parts read the :class:`RunnerPlan`; nothing rea
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -20,6 +21,7 @@ import torch
 from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import GraphKey
+from devgraph.contract.modes import SpecialMode
 from devgraph.contract.phases import Phase
 from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
@@ -41,6 +43,8 @@ __all__ = [
     "plan_runner",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: The runner's arguments that are also keys of a phase in ``--device-graph-mode``.
 FLAG_KEYS: tuple[str, ...] = (
     "sizes",
@@ -50,6 +54,7 @@ FLAG_KEYS: tuple[str, ...] = (
     "lazy",
     "max_graphs",
     "max_graph_bytes",
+    "fallback",
 )
 
 
@@ -99,6 +104,12 @@ class RunnerPlan:
     process_group: Any
     check_lockstep: bool
     single_thread: bool
+    #: The second graph set's mode (``None``: steps the backend declines run eagerly).
+    fallback: str | None = None
+    #: The data-parallel group whose ranks agree on one key per step (``None``: none).
+    dp_group: Any = None
+    #: Whether the address guard watches the memory the graphs use.
+    address_guard: bool = True
 
     @property
     def tokens_per_request(self) -> int | None:
@@ -217,8 +228,11 @@ def plan_runner(
     output_axes: Any,
     check_lockstep: bool,
     single_thread: bool,
-) -> tuple[RunnerPlan, DeviceGraphBackend]:
-    """The plan of a runner and its backend (the one given, or one built for the resolved mode)."""
+    dp_group: Any = None,
+    address_guard: bool = True,
+) -> tuple[RunnerPlan, DeviceGraphBackend, DeviceGraphBackend | None]:
+    """The plan of a runner, its backend (the one given, or one built for the resolved mode) and the
+    fallback graph set's backend (``None`` without a fallback)."""
     step_phase = Phase.parse(phase)
     phase = step_phase.value
     specs = _inputs(phase, inputs, reserved)
@@ -227,6 +241,7 @@ def plan_runner(
     _check("progress", progress, progress is None or isinstance(progress, bool), "True, False or None")
     _check("check_lockstep", check_lockstep, isinstance(check_lockstep, bool), "True or False")
     _check("single_thread", single_thread, isinstance(single_thread, bool), "True or False")
+    _check("address_guard", address_guard, isinstance(address_guard, bool), "True or False")
     for name, hook in (("capture_context", capture_context), ("capture_hook", capture_hook)):
         _check(name, hook, hook is None or callable(hook), "a callable or None")
     if backend is not None:
@@ -252,6 +267,7 @@ def plan_runner(
         target = device or platform.default_device()
         backend = create_backend(target, phase, resolved.backend, options=resolved.backend_options())
     chosen = resolved.config
+    fallback = _fallback_backend(phase, resolved, backend, device or platform.default_device())
     warmups = chosen.warmup_iters if chosen.warmup_iters is not None else int(platform.warmup_iters)
     plan = RunnerPlan(
         phase=phase,
@@ -274,5 +290,29 @@ def plan_runner(
         process_group=process_group,
         check_lockstep=check_lockstep,
         single_thread=single_thread,
+        fallback=fallback.name if fallback is not None else None,
+        dp_group=dp_group,
+        address_guard=address_guard,
     )
-    return plan, backend
+    return plan, backend, fallback
+
+
+def _fallback_backend(
+    phase: str, resolved: ResolvedPhase, backend: DeviceGraphBackend, device: Any
+) -> DeviceGraphBackend | None:
+    """The second graph set's backend: the flag's ``fallback`` mode, unless the phase resolved to it
+    (or to no graphs at all). It gets the phase's options but the compiler (a fallback runs uncompiled)."""
+    name = resolved.config.fallback
+    if name is None:
+        return None
+    if not backend.uses_graphs or name == backend.name or name == SpecialMode.EAGER.value:
+        logger.info(
+            "devgraph: %s: fallback %s dropped, the phase runs %s (downgrades: %s)",
+            phase,
+            name,
+            backend.name,
+            ", ".join(d.rule for d in resolved.downgrades) or "none",
+        )
+        return None
+    options = {k: v for k, v in resolved.backend_options().items() if k not in ("compiler", "inductor_mode")}
+    return create_backend(device, phase, name, options=options)

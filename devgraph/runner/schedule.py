@@ -230,6 +230,11 @@ def _verify_sizes(
     return tuple(b * tpr for b in batches.sizes)
 
 
+def _cut_at_tokens(sizes: Sequence[int]) -> Callable[[int], Sequence[int]]:
+    """The flag's buckets of an axis, each cut at the token size (no step has more requests than tokens)."""
+    return lambda tokens: sorted({min(size, tokens) for size in sizes})
+
+
 def schedule_for(
     phase: Phase,
     inputs: Mapping[str, StaticInput],
@@ -252,6 +257,8 @@ def schedule_for(
             phase.value, settings.sizes, settings.max_size, free, row_bytes=row_bytes
         ).sizes
     axis_names = [spec.axis for spec in inputs.values()]
+    if settings.axes:  # the flag's buckets (devgraph tune writes them) win over the runner's axes=
+        axes = {**(axes or {}), **{axis: _cut_at_tokens(sizes) for axis, sizes in settings.axes}}
     clashing = sorted(set(variants or {}) & set(inputs))
     if clashing:
         raise ConfigError(

@@ -84,6 +84,21 @@ class StepValidator:
             self._check_tensor(name, value, step.counts)
         return step, self._variant(variant)
 
+    def validate_counts(
+        self, n: Any, counts: Mapping[str, Any] | None, variant: Mapping[str, Any] | None
+    ) -> tuple[Batch, dict[str, Any]]:
+        """A step's counts before its inputs exist (``agree()``): ``n`` and each other axis's count given."""
+        tpr = self.tokens_per_request
+        missing = [
+            a for a in self.axes if a not in (counts or {}) and not (tpr is not None and a == REQUESTS)
+        ]
+        if n is None or missing:
+            raise InputError(
+                f"{self.phase} agree() takes the step's counts, not its inputs: pass n= and counts= for "
+                f"{missing or 'every axis'}"
+            )
+        return self._counts(n, counts, {}), self._variant(variant)
+
     def _counts(self, n: Any, counts: Mapping[str, Any] | None, inputs: Mapping[str, torch.Tensor]) -> Batch:
         given = dict(counts or {})
         unknown = sorted(set(given) - set(self.axes))

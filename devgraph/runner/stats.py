@@ -1,4 +1,6 @@
-"""Run-time statistics of one runner: replays per key, eager steps by reason, padding waste, lazy cache.
+"""Run-time statistics of one runner: replays per key, eager steps by reason, padding waste, lazy cache,
+steps the fallback graph set replayed by reason, data-parallel agreement, and (when recording) how many
+steps had each count.
 
 Counting is a few dict increments per step; :meth:`RunnerStats.as_dict` gives plain data for logs, JSON
 and the optional Prometheus collector (:mod:`devgraph.runner.metrics`).
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devgraph.contract.keys import GraphKey
-from devgraph.runner.dispatch import EagerReason
+from devgraph.runner.dispatch import EagerReason, FallbackReason
 
 __all__ = ["RunnerStats"]
 
@@ -29,6 +31,11 @@ class RunnerStats:
     lazy_evictions: int = 0
     lazy_capture_seconds: float = 0.0
     verify_calls: int = 0
+    fallback: Counter[FallbackReason] = field(default_factory=Counter)
+    agreed_steps: int = 0  # data parallel: steps agreed with the group
+    peer_padded_rows: int = 0  # tokens padded beyond this rank's own key because a peer had more
+    #: Steps per count tuple ``(tokens, *other axes)``, while recording (``None``: not recording).
+    recorded: Counter[tuple[int, ...]] | None = None
 
     def replayed(self, key: GraphKey, n: int) -> None:
         self.replays[key] += 1
@@ -39,8 +46,11 @@ class RunnerStats:
         self.eager[reason] += 1
 
     def reset(self) -> None:
+        recording = self.recorded is not None
         fresh = RunnerStats()
         self.__dict__.update(fresh.__dict__)
+        if recording:
+            self.recorded = Counter()
 
     @property
     def steps(self) -> int:
@@ -68,4 +78,12 @@ class RunnerStats:
                 "capture_seconds": self.lazy_capture_seconds,
             },
             "verify_calls": self.verify_calls,
+            "fallback": {
+                "replays": sum(self.fallback.values()),
+                "by_reason": {str(r): self.fallback.get(r, 0) for r in FallbackReason},
+            },
+            "data_parallel": {"agreed_steps": self.agreed_steps, "peer_padded_rows": self.peer_padded_rows},
+            "recorded": None
+            if self.recorded is None
+            else {"steps": [[*counts, steps] for counts, steps in sorted(self.recorded.items())]},
         }

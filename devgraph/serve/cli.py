@@ -15,6 +15,7 @@ from typing import Any
 from devgraph.console import OneLineParser, run_command
 from devgraph.extras import require_extra
 from devgraph.flag.config import add_device_graph_args
+from devgraph.flag.tuning import apply_tuned
 from devgraph.messages import shorten
 from devgraph.reference.config import ATTENTION_MODES, PRESET_NAMES
 
@@ -126,6 +127,12 @@ _BENCH_DESCRIPTION = "Send a seeded request trace to a running server; report TT
 
 def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_device_graph_args(parser)
+    parser.add_argument(
+        "--tuned",
+        default=None,
+        metavar="PATH",
+        help="capture sizes from devgraph tune --out, put into --device-graph-mode (docs/user-guide.md)",
+    )
     parser.add_argument(
         "--model",
         default=None,
@@ -280,6 +287,8 @@ def run_serve(args: argparse.Namespace) -> int:
     require_extra("aiohttp", extra="serve", needed_by="this command")  # before minutes of start-up
     from devgraph.serve.api.server import serve
 
+    if getattr(args, "tuned", None):
+        args.device_graph_mode = apply_tuned(args.device_graph_mode, args.tuned)
     return serve(args)
 
 

@@ -33,11 +33,13 @@ class GraphStrategy(DeviceGraphBackend):
     """A strategy that captures one :class:`CapturedEntry` per key, into a shared pool or one per key."""
 
     supports_release: ClassVar[bool] = True
+    supports_shared_pool: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pool: Any = None  # the pool of the capture in progress
         self._shared_pool: Any = None
+        self._given_pool: Any = None  # a pool handle several backends share (use_pool); outlives cleanup()
         self._key_pools: dict[GraphKey, Any] = {}  # keys captured into a pool of their own
         self._shared = True
         self._stream: Any = None
@@ -65,7 +67,9 @@ class GraphStrategy(DeviceGraphBackend):
             raise CaptureError(
                 "capture_one() called outside capture_session(); the runner opens it", size=key.tokens
             )
-        if self._shared:
+        if self._given_pool is not None:
+            self._pool = self._given_pool  # every key, lazily captured ones too: the pool reuses their memory
+        elif self._shared:
             if self._shared_pool is None:
                 self._shared_pool = self.platform.graph_pool_handle()
             self._pool = self._shared_pool
@@ -74,15 +78,25 @@ class GraphStrategy(DeviceGraphBackend):
         try:
             entry = self._capture(key, forward_fn)
         except BaseException:
-            if not self._shared or not self._entries:
+            if self._given_pool is None and (not self._shared or not self._entries):
                 # A pool whose first capture failed cannot be captured into again on CUDA (the allocator
                 # asserts): start the next capture in a fresh one.
                 self._shared_pool = None
             raise
         self._entries[key] = entry
-        if not self._shared:
+        if not self._shared and self._given_pool is None:
             self._key_pools[key] = self._pool
+        self.platform.note_outputs(self._pool, entry.outputs)
         return entry.outputs
+
+    def use_pool(self, pool: Any) -> None:
+        """Capture every key into ``pool`` (a handle from ``platform.graph_pool_handle()``) that other
+        backends share; ``None``: back to a pool of this backend's own."""
+        if self._entries:
+            raise CaptureError(
+                f"{self.name} already holds graphs in its own pool; call cleanup() before sharing a pool"
+            )
+        self._given_pool = pool
 
     @abstractmethod
     def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> CapturedEntry:

@@ -58,6 +58,9 @@ class Capture:
         self.on_fail = on_fail
         self.steps: list[tuple[bool, Step, str]] = []  # (kernel step?, step, name) in issue order
         self.storages: dict[int, int] = {}  # storages allocated by recorded ops: data_ptr -> nbytes
+        # When each allocated storage is first and last used, in ops seen (the pool's reuse model).
+        self.lifetimes: dict[int, tuple[int, int]] = {}
+        self.ops_seen = 0
         self.literals: set[int] = set()  # storages of tensors made from Python data during the capture
         self.snapshots = StorageSnapshots()  # older storages the capture wrote, as they were before
         self.keepalive: list[torch.Tensor] = []  # allocations replay does not redo but must keep
@@ -89,6 +92,7 @@ class Capture:
         self.error = error
         self.steps.clear()
         self.storages.clear()
+        self.lifetimes.clear()
         self.literals.clear()
         self.keepalive.clear()
         self.on_fail(error)
@@ -164,6 +168,7 @@ class Capture:
         self, func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
         targets = self._fresh_targets(info, args, kwargs, out)
+        self._note_uses(args, kwargs, (t for _, _, t in targets))
         if info.allocation:
             self.keepalive.extend(t for _, _, t in targets)
             return
@@ -210,6 +215,19 @@ class Capture:
                 targets.append((i, j, tensor))
         return targets
 
+    def _note_uses(self, args: tuple[Any, ...], kwargs: dict[str, Any], results: Any) -> None:
+        """Stretch the lifetime of every allocated storage this op reads or makes to this op."""
+        now = self.ops_seen
+        self.ops_seen += 1
+        lifetimes, allocated = self.lifetimes, self.storages
+        for tensor in results:
+            ptr = storage_of(tensor)[0]
+            if ptr in allocated and ptr not in lifetimes:
+                lifetimes[ptr] = (now, now)
+        for ptr in input_storages(args, kwargs):
+            if ptr in allocated:
+                lifetimes[ptr] = (lifetimes.get(ptr, (now, now))[0], now)
+
     def on_call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             host_read = HOST_READ_CALLS.get(func)
@@ -238,6 +256,7 @@ class Capture:
                 ptr, nbytes = storage_of(tensor)
                 if ptr and ptr not in inputs:
                     self.storages[ptr] = nbytes
+        self._note_uses(args, kwargs, (t for t in tree_leaves(result) if isinstance(t, torch.Tensor)))
         name = getattr(fn, "__qualname__", None) or repr(fn)
         self.steps.append((False, opaque_step(fn, args, kwargs, result), f"opaque:{name}"))
         return result

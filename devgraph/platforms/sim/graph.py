@@ -115,7 +115,7 @@ class SimGraph:
         self._pool = capture.pool
         storages = dict(capture.storages)
         self._nbytes = sum(storages.values())
-        capture.pool._hold(storages)
+        capture.pool._hold(storages, {p: capture.lifetimes[p] for p in storages if p in capture.lifetimes})
         # A graph dropped without reset() frees its tensors, so its bytes must leave the pool too.
         self._release = weakref.finalize(self, capture.pool._release, storages)
 

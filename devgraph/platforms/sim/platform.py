@@ -136,6 +136,11 @@ class CpuSimPlatform(GraphPlatform):
         else:
             super().abort_capture(graph)
 
+    def note_outputs(self, pool: Any, outputs: Any) -> None:
+        """A capture's outputs live as long as its graph: the pool's reuse model keeps their storages."""
+        if isinstance(pool, _sim.SimPool):
+            pool.keep([outputs])
+
     def record_opaque(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn``; while capturing, record the call itself as one step that replay calls again."""
         return _sim.record_opaque(fn, *args, **kwargs)

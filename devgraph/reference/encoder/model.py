@@ -104,6 +104,10 @@ class VisionEncoder(nn.Module):
     table is not checked on the device (that would need a host sync): call :meth:`ensure_positions` first.
     """
 
+    #: The address guard's protocol: these attributes are rebound on purpose (the table grows) while the old
+    #: tensors stay alive for the graphs captured on them (docs/user-guide.md, "Address guard").
+    __devgraph_rebinds__ = ("rotary_cos", "rotary_sin")
+
     def __init__(self, config: VisionConfig, device: torch.device | str | None = None, seed: int = 0) -> None:
         super().__init__()
         device = torch.device(device if device is not None else "cpu")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from devgraph.contract.backend import DeviceGraphBackend
@@ -62,6 +62,8 @@ class RunnerGraphs:
         self._layout = layout
         self.reports: dict[GraphKey, KeyReport] = {}
         self.notes: list[str] = []
+        #: Runs the next capture's first warm-up under the address guard's observation (then unset).
+        self.observe: Callable[[GraphKey, Mapping[str, Any]], bool] | None = None
         self.lazy = LazyGraphs(
             plan.capture.lazy_policy,
             stats,
@@ -90,8 +92,13 @@ class RunnerGraphs:
                 logger.info("%s", report.table())
         return report
 
-    def capture(self, keys: Sequence[GraphKey], *, collect: bool) -> list[KeyReport]:
-        """Capture ``keys`` (largest first) in one session; on a failure release them and raise."""
+    def capture(
+        self, keys: Sequence[GraphKey], *, collect: bool, keep_others: bool = False
+    ) -> list[KeyReport]:
+        """Capture ``keys`` (largest first) in one session; on a failure release them and raise.
+
+        A failure releases every graph of the backend, unless the runner is lazy or ``keep_others`` (a
+        second graph set stands behind this one): then only ``keys`` are released."""
         plan, backend = self.plan, self.backend
         lazy = plan.capture.lazy
         # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
@@ -116,18 +123,20 @@ class RunnerGraphs:
             probe=self.state_probe,
             static=lambda: self._buffers.buffers.values(),
             notes=self.notes,
+            observe=self.observe,
         )
         with plan.state.preserved(), frozen_gc(collect):
             self._buffers.reset()
             try:
                 reports = capture_keys(job, keys)
             except BaseException:
-                if lazy:
-                    for key in keys:  # this key only: graphs captured earlier keep serving
+                if lazy or keep_others:
+                    for key in keys:  # these keys only: graphs captured earlier keep serving
                         self._layout.forget(key)
                         if backend.has_shape(key):
                             backend.release(key)
-                        self.lazy.failed.add(key)
+                        if lazy:
+                            self.lazy.failed.add(key)
                 else:
                     backend.cleanup()
                 raise

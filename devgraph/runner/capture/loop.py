@@ -69,6 +69,10 @@ class CaptureReport:
     seconds: float = 0.0
     #: What the capture did differently from the plan, and why (a compile per size, undeclared state).
     notes: list[str] = field(default_factory=list)
+    #: The fallback graph set's keys (a runner with a ``fallback`` mode), and the primary's keys whose
+    #: capture failed (the fallback's graphs replay them), with the error.
+    fallback: list[KeyReport] = field(default_factory=list)
+    failed: dict[GraphKey, str] = field(default_factory=dict)
 
     @property
     def sizes(self) -> list[KeyReport]:
@@ -77,7 +81,7 @@ class CaptureReport:
 
     @property
     def bytes(self) -> int:
-        return sum(k.bytes for k in self.keys)
+        return sum(k.bytes for k in self.keys) + sum(k.bytes for k in self.fallback)
 
     def table(self) -> str:
         lines = [
@@ -88,6 +92,13 @@ class CaptureReport:
             f"  {str(k.key):<28} {k.seconds * 1e3:9.1f} ms  {k.bytes / 2**20:9.2f} MiB" for k in self.keys
         ]
         lines += [f"  note: {note}" for note in self.notes]
+        lines += [
+            f"  fallback {str(k.key):<19} {k.seconds * 1e3:9.1f} ms  {k.bytes / 2**20:9.2f} MiB"
+            for k in self.fallback
+        ]
+        lines += [
+            f"  {str(key):<28} failed, the fallback replays it: {why}" for key, why in self.failed.items()
+        ]
         return "\n".join(lines)
 
 
@@ -120,6 +131,10 @@ class CaptureJob:
     static: Callable[[], Iterable[torch.Tensor]] = lambda: ()
     # Notes for the capture report (what the probe found).
     notes: list[str] = field(default_factory=list)
+    # May run a key's first warm-up itself, as the plain forward (the address guard observes it); True
+    # when it did. With warmup_iters=1 that run comes before the warm-up, so a compiled forward still runs
+    # (and compiles) once before its capture; with 0, nothing is observed.
+    observe: Callable[[GraphKey, Mapping[str, Any]], bool] | None = None
 
 
 @contextlib.contextmanager
@@ -211,17 +226,29 @@ def _warm_up(job: CaptureJob, key: GraphKey) -> None:
         job.forward(**job.inputs_for(key))
 
     runs = job.warmup_iters
+    observe = job.observe if runs > 0 else None
+    observed = False
+
+    def observed_run(inputs: Mapping[str, Any]) -> bool:
+        # The address guard runs the plain forward itself, under its observing mode (once).
+        nonlocal observed
+        observed = observe is not None and observe(key, inputs)
+        return observed
+
     probe = job.probe
-    if probe is None or not probe.wanted(runs):
-        for _ in range(runs):
-            run()
-        return
-    if not probe.first_run(job.inputs_for(key), job.static()):
-        for _ in range(runs):
-            run()
-        return
-    job.notes.extend(probe.second_run(run, extra=runs == 1))
-    for _ in range(runs - 2):
+    if (
+        probe is not None
+        and probe.wanted(runs)
+        and probe.first_run(job.inputs_for(key), job.static(), observed_run)
+    ):
+        # The probe's two runs are the first two warm-ups (the guard observed the first of them).
+        job.notes.extend(probe.second_run(run, extra=runs == 1))
+        runs = max(0, runs - 2)
+    elif not observed and observed_run(job.inputs_for(key)) and runs > 1:
+        # The observed run stands for a warm-up, never for the last: the backend's own forward (compiled,
+        # for a compiling strategy) runs right before its capture.
+        runs -= 1
+    for _ in range(runs):
         run()
 
 

@@ -191,17 +191,24 @@ class StateProbe:
         when save/restore hooks hold state the probe cannot see)."""
         return not self.done and warmup_iters > 0 and not self.state.hooks
 
-    def first_run(self, inputs: Mapping[str, Any], static: Iterable[torch.Tensor]) -> bool:
+    def first_run(
+        self,
+        inputs: Mapping[str, Any],
+        static: Iterable[torch.Tensor],
+        observed: Callable[[Mapping[str, Any]], bool] | None = None,
+    ) -> bool:
         """The first warm-up: the plain forward (dynamo compiles nothing under a dispatch mode) under the
         write recorder. ``False``: the forward compiles code of its own that this torch will not run under
-        a dispatch mode (nothing is probed; the warm-ups go on as usual)."""
+        a dispatch mode (nothing is probed; the warm-ups go on as usual). ``observed`` may run the plain
+        forward itself (the address guard, under a mode of its own) and says whether it did."""
         self.done = True
         self._known = {_ptr(t) for t in (*static, *self.state.tensors.values())}
         self._declared = self.state.save()
         self._recorder = _WriteRecorder(self._known)
         try:
             with self._recorder:
-                self.forward(**inputs)
+                if observed is None or not observed(inputs):
+                    self.forward(**inputs)
         except Exception as exc:
             if "dispatch mode" not in str(exc) and "no compiled frames" not in str(exc):
                 raise

@@ -1,0 +1,212 @@
+"""Recorded steps: how many steps of each size a runner saw, per phase, as plain data and as a JSON file.
+
+``devgraph tune`` chooses capture sizes from this (:mod:`devgraph.flag.tuning`). A runner records it with
+``record_steps=True`` (``stats()["recorded"]``); an engine writes one file for all its phases with
+:func:`write_trace`. The file (docs/user-guide.md, "Tuned sizes")::
+
+    {"format": "devgraph-steps", "version": 1,
+     "phases": {"decode": {"axes": ["tokens"], "steps": [[1, 120], [3, 41], ...],
+                           "sizes": {"tokens": [1, 2, 4, ...]}, "graph_bytes": {"8": 1048576, ...}},
+                "prefill": {"axes": ["tokens", "requests"], "steps": [[96, 2, 7], ...]}}}
+
+Each row of ``steps`` holds one count per axis (in ``axes`` order) and, last, how many steps had exactly
+those counts. ``sizes`` (optional) is the schedule the runner had, per axis; ``graph_bytes`` (optional) the
+bytes each captured token size grew the graph pool by. ``tune`` also reads a ``stats()`` export (one runner's
+dict, or a list of them), using its ``recorded`` section.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from devgraph.contract.keys import TOKENS
+from devgraph.contract.phases import PHASES
+from devgraph.errors import ConfigError
+from devgraph.messages import shorten
+
+__all__ = ["TRACE_FORMAT", "TRACE_VERSION", "PhaseSteps", "load_steps", "read_steps", "write_trace"]
+
+TRACE_FORMAT = "devgraph-steps"
+TRACE_VERSION = 1
+#: Rows a file may hold per phase (a histogram of distinct counts; a real trace has thousands at most).
+MAX_ROWS = 1 << 20
+
+
+@dataclass
+class PhaseSteps:
+    """One phase's recorded steps: ``histogram[(tokens, *other axes)] = steps``, in ``axes`` order."""
+
+    phase: str
+    axes: tuple[str, ...] = (TOKENS,)
+    histogram: Counter[tuple[int, ...]] = field(default_factory=Counter)
+    sizes: dict[str, list[int]] = field(default_factory=dict)
+    graph_bytes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return sum(self.histogram.values())
+
+    def axis(self, name: str) -> Counter[int]:
+        """The marginal histogram of one axis: steps per count of ``name``."""
+        i = self.axes.index(name)
+        marginal: Counter[int] = Counter()
+        for counts, steps in self.histogram.items():
+            marginal[counts[i]] += steps
+        return marginal
+
+    def merge(self, other: PhaseSteps) -> None:
+        if other.axes != self.axes:
+            raise ConfigError(
+                f"{self.phase} steps were recorded with axes {list(self.axes)} and {list(other.axes)}; "
+                "merge traces of runners with the same inputs"
+            )
+        self.histogram.update(other.histogram)
+        self.sizes = self.sizes or other.sizes
+        self.graph_bytes = self.graph_bytes or other.graph_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        rows = [[*counts, steps] for counts, steps in sorted(self.histogram.items())]
+        out: dict[str, Any] = {"axes": list(self.axes), "steps": rows}
+        if self.sizes:
+            out["sizes"] = self.sizes
+        if self.graph_bytes:
+            out["graph_bytes"] = {str(k): v for k, v in sorted(self.graph_bytes.items())}
+        return out
+
+
+def _int(value: Any, what: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{what} must be an integer >= {low}, got {shorten(value)}")
+    return value
+
+
+def _phase_from_json(phase: str, data: Any, where: str) -> PhaseSteps:
+    if phase not in PHASES:
+        raise ConfigError(f"{where}: {shorten(phase)} is not a phase; phases are {', '.join(PHASES)}")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: phase {phase!r} must be an object with 'axes' and 'steps'")
+    axes = data.get("axes", [TOKENS])
+    if (
+        not isinstance(axes, list)
+        or not axes
+        or axes[0] != TOKENS
+        or not all(isinstance(a, str) and a.isidentifier() for a in axes)
+        or len(set(axes)) != len(axes)
+    ):
+        raise ConfigError(f"{where}: {phase}.axes must list axis names, 'tokens' first; got {shorten(axes)}")
+    rows = data.get("steps")
+    if not isinstance(rows, list) or len(rows) > MAX_ROWS:
+        raise ConfigError(f"{where}: {phase}.steps must be a list of at most {MAX_ROWS} rows")
+    recorded = PhaseSteps(phase, tuple(axes))
+    for row in rows:
+        if not isinstance(row, list) or len(row) != len(axes) + 1:
+            raise ConfigError(
+                f"{where}: each {phase}.steps row holds {len(axes)} counts ({', '.join(axes)}) and a number "
+                f"of steps; got {shorten(row)}"
+            )
+        counts = tuple(_int(c, f"{where}: a {phase} count", 1) for c in row[:-1])
+        recorded.histogram[counts] += _int(row[-1], f"{where}: a {phase} number of steps")
+    sizes = data.get("sizes") or {}
+    if not isinstance(sizes, Mapping):
+        raise ConfigError(f"{where}: {phase}.sizes must map an axis to its sizes")
+    for axis, values in sizes.items():
+        if not isinstance(values, list):
+            raise ConfigError(f"{where}: {phase}.sizes[{axis!r}] must be a list of sizes")
+        recorded.sizes[str(axis)] = [_int(v, f"{where}: a {phase} size", 1) for v in values]
+    graph_bytes = data.get("graph_bytes") or {}
+    if not isinstance(graph_bytes, Mapping):
+        raise ConfigError(f"{where}: {phase}.graph_bytes must map a token size to bytes")
+    for size, nbytes in graph_bytes.items():
+        try:
+            tokens = int(size)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{where}: {phase}.graph_bytes keys are token sizes, got {shorten(size)}"
+            ) from None
+        recorded.graph_bytes[tokens] = _int(nbytes, f"{where}: {phase}.graph_bytes[{size}]")
+    return recorded
+
+
+def read_steps(data: Any, where: str = "steps") -> dict[str, PhaseSteps]:
+    """Recorded steps per phase from parsed JSON: a trace file's object, one runner's ``stats()`` or a list
+    of them (phases seen twice are merged)."""
+    found: dict[str, PhaseSteps] = {}
+
+    def add(steps: PhaseSteps) -> None:
+        if steps.phase in found:
+            found[steps.phase].merge(steps)
+        else:
+            found[steps.phase] = steps
+
+    if isinstance(data, list):
+        for i, item in enumerate(data):
+            for steps in read_steps(item, f"{where}[{i}]").values():
+                add(steps)
+        return found
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{where} must be a JSON object (a trace or a runner's stats()), got {shorten(data)}"
+        )
+    if data.get("format") == TRACE_FORMAT:
+        version = data.get("version")
+        if version != TRACE_VERSION:
+            raise ConfigError(f"{where}: trace version {shorten(version)} is not {TRACE_VERSION}")
+        phases = data.get("phases")
+        if not isinstance(phases, Mapping):
+            raise ConfigError(f"{where}: a trace needs 'phases', an object keyed by phase")
+        for phase, item in phases.items():
+            add(_phase_from_json(str(phase), item, where))
+        return found
+    if "recorded" in data and "phase" in data:  # one runner's stats()
+        recorded = data["recorded"]
+        if recorded is None:
+            raise ConfigError(
+                f"{where}: the {data['phase']} runner's stats() holds no recorded steps; build the runner "
+                "with record_steps=True (or call runner.record_steps(True)) before the traffic to tune for"
+            )
+        add(_phase_from_json(str(data["phase"]), recorded, where))
+        return found
+    raise ConfigError(
+        f'{where} is neither a {TRACE_FORMAT} trace ("format": {TRACE_FORMAT!r}) nor a runner\'s stats() '
+        "with a 'recorded' section"
+    )
+
+
+def load_steps(path: str | Path) -> dict[str, PhaseSteps]:
+    """Recorded steps per phase from a trace file or a ``stats()`` JSON export."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read recorded steps from {source}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    return read_steps(data, str(source))
+
+
+def write_trace(path: str | Path, phases: Sequence[PhaseSteps] | Mapping[str, PhaseSteps]) -> Path:
+    """Write recorded steps of one or more phases as a trace file; returns the path."""
+    items = list(phases.values()) if isinstance(phases, Mapping) else list(phases)
+    merged: dict[str, PhaseSteps] = {}
+    for steps in items:
+        if steps.phase in merged:
+            merged[steps.phase].merge(steps)
+        else:
+            merged[steps.phase] = PhaseSteps(
+                steps.phase, steps.axes, Counter(steps.histogram), dict(steps.sizes), dict(steps.graph_bytes)
+            )
+    data = {
+        "format": TRACE_FORMAT,
+        "version": TRACE_VERSION,
+        "phases": {phase: steps.to_json() for phase, steps in merged.items()},
+    }
+    target = Path(path)
+    target.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return target
