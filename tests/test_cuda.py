@@ -533,7 +533,11 @@ def test_capture_is_largest_first_on_one_stream_and_pool_with_gc_frozen_and_a_re
         seen = list(PROBES)
         # Warm-ups and the capture itself, largest size first.
         per_size = runner.warmup_iters + 1
-        assert [size for size, _, _ in seen] == [s for s in reversed(sizes) for _ in range(per_size)]
+        # With a single warm-up the first key runs once more: the state probe needs two runs of the forward
+        # (it checks that the forward moves only what it declares) and the backend's own run precedes capture.
+        first = [sizes[-1]] if runner.warmup_iters == 1 else []
+        expected = first + [s for s in reversed(sizes) for _ in range(per_size)]
+        assert [size for size, _, _ in seen] == expected
         capture_stream = seen[0][1]
         assert all(stream == capture_stream for _, stream, _ in seen), "warm-up and capture left the stream"
         assert capture_stream != platform.current_stream(), "captured on the stream the engine runs on"

@@ -89,6 +89,10 @@ def build_hf(
     with torch.device(device):  # initialised where it runs: a real-size vocabulary is slow to fill on a CPU
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     cache = SharedStaticCache(model, shape.max_batch, shape.max_len)
+    # Every view built here, outside any compile: building one inside the forward that tc_piecewise and
+    # compiled `full` trace fails on torch 2.11 (dynamo cannot trace StaticLayer.__dict__.update).
+    for rows in range(1, shape.max_batch + 1):
+        cache.view(rows)
     argument = find_features(model).cache_argument
     mask = torch.ones(shape.max_batch, shape.max_len, dtype=torch.bool, device=device)
 

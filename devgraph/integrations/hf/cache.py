@@ -83,7 +83,8 @@ class SharedStaticCache:
 
     def view(self, rows: int, window: int | None = None) -> Any:
         """A ``StaticCache`` over rows ``[:rows]`` (and positions ``[:window]``): same storage, same
-        write positions. Views are cached: the same object for the same arguments."""
+        write positions. Views are cached: the same object for the same arguments. Build the views a
+        compiled forward uses before compiling it: creating one is not traceable by every torch's dynamo."""
         columns = self.max_cache_len if window is None else window
         if not 1 <= rows <= self.max_batch or not 1 <= columns <= self.max_cache_len:
             raise ConfigError(
