@@ -136,7 +136,7 @@ class EngineLoop:
             return
         if not more:
             logger.info(
-                "all %d graphs captured in the background, %.2f s after the engine began serving",
+                "all %d graphs captured in the background, %.2f s after the engine was built",
                 background.total,
                 background.ready_seconds or 0.0,
             )
