@@ -32,6 +32,7 @@ from devgraph.registry.hookspecs import hookimpl
 from devgraph.registry.plugins import get_registry
 from devgraph.registry.register import register_backend
 from devgraph.registry.rules import CompatibilityRule
+from devgraph.runner.capture.background import BackgroundCapture
 from devgraph.runner.capture.loop import CaptureReport, KeyReport
 from devgraph.runner.capture.pool import GraphPool
 from devgraph.runner.dispatch import EagerReason, FallbackReason
@@ -44,6 +45,7 @@ __all__ = [
     "Agreement",
     "Availability",
     "BackendOptions",
+    "BackgroundCapture",
     "BackendUnavailableError",
     "Batch",
     "BreakOp",

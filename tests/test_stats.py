@@ -75,6 +75,7 @@ def test_scripted_steps_give_exact_counts():
         "axis_past_largest": 0,
         "variant_not_captured": 1,
         "not_captured": 0,
+        "capturing": 0,
         "backend_declined": 1,
         "peer_eager": 0,
     }

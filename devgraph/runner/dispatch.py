@@ -29,6 +29,7 @@ class EagerReason(Word):
     AXIS_PAST_LARGEST = "axis_past_largest"  # another axis's count past its largest bucket
     VARIANT_NOT_CAPTURED = "variant_not_captured"  # a variant value that was not declared for capture
     NOT_CAPTURED = "not_captured"  # the key exists in the schedule but holds no graph
+    CAPTURING = "capturing"  # capture in the background: the key's graph is not captured yet
     BACKEND_DECLINED = "backend_declined"  # backend.can_run() said no for this step
     PEER_EAGER = "peer_eager"  # data parallel: another rank of the group runs this step eagerly
 
@@ -110,10 +111,12 @@ class Dispatcher:
         can_run: Callable[[GraphKey], bool] | None = None,
         failed: Container[GraphKey] = (),
         second: SecondSet | None = None,
+        capturing: bool = False,
     ) -> Decision:
         """Route a step, then check the runner's state: a key replays only if its graph exists (or, for a
         lazily capturing runner, will be captured now) and ``can_run`` (the backend's veto) allows it;
-        where the primary declines, ``second`` (the fallback set) replays the key if it can."""
+        where the primary declines, ``second`` (the fallback set) replays the key if it can. ``capturing``:
+        the keys are being captured in the background; one not captured yet runs eagerly, as ``capturing``."""
         if not uses_graphs:
             return Decision(None, EagerReason.DISABLED)
         if not captured:
@@ -124,7 +127,7 @@ class Dispatcher:
             return decision
         if (not lazy and not has_shape(key)) or (lazy and key in failed):
             # Not captured; for a lazy runner, its capture failed once (raised then), so it runs eagerly.
-            declined = EagerReason.NOT_CAPTURED
+            declined = EagerReason.CAPTURING if capturing else EagerReason.NOT_CAPTURED
         elif can_run is not None and not can_run(key):
             declined = EagerReason.BACKEND_DECLINED
         else:

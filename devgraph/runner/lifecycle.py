@@ -20,6 +20,7 @@ from devgraph.errors import ConfigError
 from devgraph.flag.sizes import check_size_list
 from devgraph.flag.trace import PhaseSteps
 from devgraph.ranks import track_runner
+from devgraph.runner.capture import pending
 from devgraph.runner.capture.graphs import RunnerGraphs
 from devgraph.runner.capture.loop import CaptureReport
 from devgraph.runner.capture.pool import GraphPool
@@ -32,6 +33,7 @@ from devgraph.runner.stepping import Stepper
 GraphRunner = Any
 
 __all__ = [
+    "arm_guard",
     "assemble",
     "check_addresses",
     "describe_extras",
@@ -62,6 +64,7 @@ def assemble(
         # Each set wraps the plain forward its own way (a compiling strategy compiles it).
         sets.append(RunnerGraphs(plan, owned, runner.forward, runner._buffers, runner._layout, runner._stats))
     runner._graphs = sets[0]
+    runner._background = None  # keys a background capture has still to capture (capture/pending.py)
     runner._sets = GraphSets(*sets)
     steps = runner._steps = Stepper(
         plan,
@@ -82,7 +85,7 @@ def assemble(
         track_runner(runner, group)  # devgraph.ranks.destroy_process_group() closes it first
 
 
-def _arm_guard(runner: GraphRunner) -> None:
+def arm_guard(runner: GraphRunner) -> None:
     """Watch what the graphs will use: the tensors of the modules the forward reaches now, and those the
     first warm-up of the first key captured uses, observed (that warm-up runs the plain forward, so a
     compiling strategy compiles in the next one)."""
@@ -116,8 +119,12 @@ def _arm_guard(runner: GraphRunner) -> None:
 
 
 def start_up(runner: GraphRunner) -> CaptureReport:
-    """Arm the address guard, then capture every key into every graph set (``capture()``)."""
-    _arm_guard(runner)
+    """Arm the address guard, then capture every key into every graph set (``capture()``); during a
+    background capture, the keys it has not captured yet."""
+    if runner._background is not None:
+        pending.finish_now(runner)
+        return runner.report or runner._graphs.empty_report()
+    arm_guard(runner)
     pool = runner.pool
     try:
         with pool.capturing() if pool is not None else contextlib.nullcontext():
@@ -136,6 +143,7 @@ def check_addresses(runner: GraphRunner) -> None:
 def release_all(runner: GraphRunner) -> None:
     """Release every graph (``refresh()`` captures again after this); the layout learnt stays, the outputs
     it handed out per key go (the new graphs have outputs of their own)."""
+    pending.abandon(runner)  # a background capture in progress stops; capture() takes every key again
     for graphs in runner._sets.all:
         for key in graphs.backend.captured_keys():
             runner._layout.forget(key)
@@ -150,6 +158,11 @@ def retune(runner: GraphRunner, sizes: Sequence[int], *, lazy: bool) -> list[Gra
     """New token sizes while serving (``retune()``): keep the graphs of keys that stay, release the others,
     capture new keys on first sight (``lazy``) or now."""
     plan = runner.plan
+    if runner._background is not None:
+        raise ConfigError(
+            f"the {plan.phase} runner is capturing its keys in the background; retune() after it is done "
+            "(BackgroundCapture.finish() captures the rest now)"
+        )
     chosen = sorted(set(check_size_list(plan.phase, list(sizes), f"{plan.phase} retune sizes")))
     old = plan.schedule
     tpr = old.tokens_per_request
@@ -221,6 +234,7 @@ def recorded_steps(runner: GraphRunner) -> PhaseSteps:
 def let_go(runner: GraphRunner) -> None:
     """``close()``'s end, after the graphs were released: unbind the backends, leave the pool, stop
     watching memory."""
+    pending.stop(runner)
     for backend in runner._sets.backends:
         backend.unbind(runner)
     for graphs in runner._sets.all:
@@ -239,4 +253,5 @@ def describe_extras(runner: GraphRunner) -> dict[str, Any]:
         "pool": runner.pool.describe() if runner.pool is not None else None,
         "address_guard": guard.describe() if guard is not None else None,
         "data_parallel": runner.plan.dp_group is not None,
+        "background": runner._background.describe() if runner._background is not None else None,
     }

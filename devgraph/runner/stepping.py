@@ -87,6 +87,9 @@ class Stepper:
         self.guard: AddressGuard | None = None
         self.pool: GraphPool | None = None
         self.owner: Any = None  # the runner, named by the pool's checks
+        #: Keys are being captured in the background (devgraph.runner.capture.background): route steps as
+        #: if captured; a key without its graph yet runs eagerly, counted as ``capturing``.
+        self.capturing = False
         self._group: GroupAgreement | None = (
             None  # the data-parallel group's agreement, resolved at first use
         )
@@ -127,12 +130,13 @@ class Stepper:
             counts,
             variant,
             uses_graphs=primary.backend.uses_graphs,
-            captured=self.captured(),
+            captured=self.captured() or self.capturing,
             has_shape=primary.backend.has_shape,
             lazy=self.plan.capture.lazy,
             failed=primary.lazy.failed,
             can_run=can_run,
             second=second,
+            capturing=self.capturing,
         )
 
     def decide(

@@ -194,6 +194,12 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="fixed step shapes: a request's tokens do not depend on the batch",
     )
     parser.add_argument(
+        "--capture-in-background",
+        action="store_true",
+        help="answer from the moment the weights are loaded: steps run eagerly while the graphs are "
+        "captured one key between two steps; /health shows the progress",
+    )
+    parser.add_argument(
         "--no-mixed-steps", action="store_true", help="run decodes and prefill chunks in separate steps"
     )
     parser.add_argument("--seed", type=_int_in(0, (1 << 63) - 1), default=0, help="weight seed (default 0)")

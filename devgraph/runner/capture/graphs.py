@@ -93,12 +93,13 @@ class RunnerGraphs:
         return report
 
     def capture(
-        self, keys: Sequence[GraphKey], *, collect: bool, keep_others: bool = False
+        self, keys: Sequence[GraphKey], *, collect: bool, keep_others: bool = False, quiet: bool = False
     ) -> list[KeyReport]:
         """Capture ``keys`` (largest first) in one session; on a failure release them and raise.
 
         A failure releases every graph of the backend, unless the runner is lazy or ``keep_others`` (a
-        second graph set stands behind this one): then only ``keys`` are released."""
+        second graph set stands behind this one): then only ``keys`` are released. ``quiet``: no progress
+        bar or per-key log line (the caller logs: a background capture goes key by key)."""
         plan, backend = self.plan, self.backend
         lazy = plan.capture.lazy
         # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
@@ -118,7 +119,9 @@ class RunnerGraphs:
             finish=self._learn_layout,
             hook=plan.capture.hook,
             agree=sync.agree,
-            progress="off" if lazy else show_progress(plan.capture.progress, rank_of(plan.process_group)),
+            progress="off"
+            if lazy or quiet
+            else show_progress(plan.capture.progress, rank_of(plan.process_group)),
             shared_pool=not lazy,
             probe=self.state_probe,
             static=lambda: self._buffers.buffers.values(),

@@ -137,7 +137,10 @@ async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
-    return web.json_response({"status": "ok"})
+    background = state.engine.engine.background  # progress() reads counters only: no need to wait a step
+    if background is None:
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "graphs": background.progress()})
 
 
 async def _models(request: web.Request) -> web.Response:

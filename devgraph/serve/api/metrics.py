@@ -161,7 +161,7 @@ class _StatsCollector:
         for reason, count in sorted(stats["finished"].items()):
             success.add_metric([*self._labels, reason], count)
         yield success
-        gauges = (
+        gauges: tuple[tuple[str, str, Any], ...] = (
             (
                 "devgraph_serve_requests_queued",
                 "Requests not yet handed to the engine",
@@ -170,6 +170,16 @@ class _StatsCollector:
             ("devgraph_serve_kv_blocks_free", "Free KV-cache blocks", stats["kv_blocks_free"]),
             ("devgraph_serve_kv_blocks_total", "KV-cache blocks requests can own", total),
         )
+        capture = stats.get("graph_capture")
+        if capture is not None:  # --capture-in-background
+            gauges += (
+                (
+                    "devgraph_graphs_captured",
+                    "Graph keys captured so far (background capture)",
+                    capture["captured"],
+                ),
+                ("devgraph_graphs_total", "Graph keys to capture (background capture)", capture["total"]),
+            )
         for name, doc, value in gauges:
             yield core.GaugeMetricFamily(name, doc, value=value)
         steps = core.CounterMetricFamily("devgraph_engine_steps", "Engine steps by kind", labels=["kind"])

@@ -160,11 +160,21 @@ def build_engine(
     )
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
-    logger.info("capturing graphs (--device-graph-mode %s)", graphs.source)
+    background = getattr(args, "capture_in_background", False)
+    logger.info(
+        "%s graphs (--device-graph-mode %s)",
+        "serving before the" if background else "capturing",
+        graphs.source,
+    )
     start = time.perf_counter()
-    engine = Engine(built.model, engine_config, device_graph_mode=graphs, progress=args.progress)
+    engine = Engine(
+        built.model, engine_config, device_graph_mode=graphs, progress=args.progress, capture=not background
+    )
+    if background:
+        capture = engine.capture_in_background()
+        logger.info("%d graphs to capture in the background, one key between two steps", capture.total)
     startup.times["graphs_s"] = time.perf_counter() - start
-    logger.info("graphs ready in %.1f s", startup.times["graphs_s"])
+    logger.info("graphs %s in %.1f s", "set up" if background else "ready", startup.times["graphs_s"])
     return engine
 
 

@@ -22,6 +22,7 @@ from devgraph.flag.config import DeviceGraphConfig
 from devgraph.messages import shorten
 from devgraph.reference.model import ReferenceModel
 from devgraph.reference.runners import decode_runner, prefill_runner
+from devgraph.runner.capture.background import BackgroundCapture
 from devgraph.runner.capture.loop import CaptureReport
 from devgraph.runner.graph_runner import GraphRunner
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables
@@ -48,7 +49,8 @@ logger = logging.getLogger(__name__)
 class Engine:
     """Serves requests on ``model`` with graphs chosen by ``device_graph_mode`` (a flag value or config).
 
-    ``capture=False`` leaves capturing to an explicit :meth:`capture` call (steps run eagerly until then).
+    ``capture=False`` leaves capturing to an explicit :meth:`capture` call (steps run eagerly until then)
+    or to :meth:`capture_in_background` (the graphs are captured key by key between steps).
     """
 
     def __init__(
@@ -99,6 +101,8 @@ class Engine:
         self.step_counts: Counter[str] = Counter()
         self.engine_padding = 0
         self.finished_count: Counter[str] = Counter()
+        #: The background capture in progress (capture_in_background()); None: graphs captured up front.
+        self.background: BackgroundCapture | None = None
         self.prompt_tokens = 0  # prompts of requests that got their first token
         self.generation_tokens = 0  # tokens handed out (stop tokens are not)
         if capture:
@@ -108,6 +112,14 @@ class Engine:
     def capture(self) -> list[CaptureReport]:
         """Capture both runners' graphs (a no-op for ``disabled``); returns their reports."""
         return [self.decode_runner.capture(), self.prefill_runner.capture()]
+
+    def capture_in_background(self) -> BackgroundCapture:
+        """Serve before the graphs are ready: steps run eagerly (counted as ``capturing``) while
+        :meth:`BackgroundCapture.step` captures one key at a time; the :class:`EngineLoop` calls it between
+        steps and while idle, in its own thread, so a capture never overlaps a step. Returns it."""
+        if self.background is None:
+            self.background = BackgroundCapture([self.decode_runner, self.prefill_runner])
+        return self.background
 
     def warm_up(self) -> None:
         """Serve two throw-away requests (a 1-token and a longer prompt) so that first-use costs (lazy
@@ -359,4 +371,5 @@ class Engine:
                 "deterministic": self.config.deterministic,
             },
             "runners": {"decode": self.decode_runner.stats(), "prefill": self.prefill_runner.stats()},
+            "graph_capture": None if self.background is None else self.background.progress(),
         }

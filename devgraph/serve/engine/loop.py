@@ -4,7 +4,9 @@ Other threads (an HTTP server's event loop) call :meth:`EngineLoop.submit` and :
 both only enqueue and return at once. The engine thread applies them between steps, runs steps while
 there is work, sleeps when there is none, and hands every :class:`RequestOutput` to the sink given at
 submission (called on the engine thread: a sink must be quick and thread-safe, e.g.
-``loop.call_soon_threadsafe``). All engine state is touched by the engine thread only.
+``loop.call_soon_threadsafe``). All engine state is touched by the engine thread only. When the engine
+captures its graphs in the background (:meth:`Engine.capture_in_background`), the engine thread captures
+one key after each step and keeps capturing while idle: a capture never overlaps a step.
 """
 
 from __future__ import annotations
@@ -102,7 +104,9 @@ class EngineLoop:
             torch.cuda.set_device(device)
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stop or self.engine.has_work):
+                while not (
+                    self._adds or self._aborts or self._stop or self.engine.has_work or self._capturing()
+                ):
                     self._cond.wait()
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
@@ -114,6 +118,28 @@ class EngineLoop:
                         self._deliver(self.engine.abort(request_id))
                     return
                 self._step()
+                self._capture_one()
+
+    def _capturing(self) -> bool:
+        background = self.engine.background
+        return background is not None and not background.done
+
+    def _capture_one(self) -> None:
+        """One key of the background capture, between two steps (or while idle)."""
+        background = self.engine.background
+        if background is None or background.done:
+            return
+        try:
+            more = background.step()
+        except Exception:  # the runners fall back to eager steps; the error shows in /health
+            logger.exception("capturing the graphs in the background failed; steps stay eager")
+            return
+        if not more:
+            logger.info(
+                "all %d graphs captured in the background, %.2f s after the engine was built",
+                background.total,
+                background.ready_seconds or 0.0,
+            )
 
     def _apply(
         self,
