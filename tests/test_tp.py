@@ -180,6 +180,27 @@ def test_compiled_full_with_collectives_inside_equals_eager_tp(tmp_path, compile
         ]
 
 
+def check_fallback(found: dict[int, Any]) -> None:
+    results = _check_scenario(found, "fallback")
+    for rank, result in enumerate(results):
+        for comm, run in result.items():
+            assert run["fallback_keys"] == [1, 2, 4], (rank, comm, run)  # tp_worker.DECODE_SIZES
+            # Steps of 1 and 3 rows are vetoed by full and replay the fallback's graphs; 4 replays full.
+            assert run["fallback"]["by_reason"]["backend_declined"] >= 2, (rank, comm, run)
+            assert run["eager"] == 0, (rank, comm, run)
+            for step in run["steps"]:
+                assert step["replayed"], (rank, comm, step)
+                assert step["graph_vs_eager_same_rows"] <= 1e-4 * max(1.0, step["scale"]), (rank, comm, step)
+    for comm in results[0]:
+        assert [s["checksum"] for s in results[0][comm]["steps"]] == [
+            s["checksum"] for s in results[1][comm]["steps"]
+        ]
+
+
+def test_the_fallback_graph_set_replays_what_full_declines_on_every_rank(tmp_path):
+    check_fallback(launch("fallback", tmp_path, extra=("--comms", "op,torch"), limit=240))
+
+
 def test_replays_equal_eager_tp_under_every_mode(cpu_run):
     check_equivalence(cpu_run, exact=True, modes=("full", "breakable", "tc_piecewise"))
 
@@ -303,6 +324,27 @@ def test_nccl_replays_equal_eager_tp_and_ranks_fail_together(tmp_path):
     check_capture_error(found)
     check_different_keys(found)
     check_teardown(found)
+
+
+@pytest.mark.multi_gpu
+def test_nccl_compiled_full_and_the_fallback_set_equal_eager_tp(tmp_path):
+    # Inductor compiles the forward with the NCCL collectives inside (both communicators), then the fallback
+    # graph set replays the steps full declines.
+    found = launch(
+        "compiled_full,fallback",
+        tmp_path,
+        device="cuda",
+        extra=("--compiler", "inductor", "--comms", "op,torch"),
+        limit=420,
+    )
+    _record("nccl-compiled-full-fallback", found)
+    results = _check_scenario(found, "compiled_full")
+    for rank, result in enumerate(results):
+        for comm in ("op", "torch"):
+            for step in result[comm]["steps"]:
+                assert step["replayed"], (rank, comm, step)
+                assert step["graph_vs_eager_padded"] == 0.0, (rank, comm, step)  # the same compiled code
+    check_fallback(found)
 
 
 @pytest.mark.multi_gpu

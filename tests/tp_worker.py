@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from devgraph import ranks
 from devgraph.contract.context import forward_context, is_capturing
-from devgraph.contract.keys import GraphKey
+from devgraph.contract.keys import Batch, GraphKey
 from devgraph.errors import CaptureError, ReplayError
+from devgraph.flag.factory import resolve_platform
 from devgraph.reference import (
     ReferenceConfig,
     ReferenceModel,
@@ -41,6 +42,7 @@ from devgraph.reference import (
 )
 from devgraph.reference.tp import TPReferenceModel, tp_decode_runner, tp_prefill_runner
 from devgraph.runner.graph_runner import GraphRunner
+from devgraph.strategies.full import FullGraphBackend
 
 DECODE_SIZES = [1, 2, 4]
 PREFILL_SIZES = [8, 16]
@@ -481,7 +483,45 @@ def compiled_full(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+class _DecliningOddRows(FullGraphBackend):
+    """``full`` that vetoes steps with an odd number of real rows: a backend veto that every rank gives
+    alike, so the fallback graph set replays those steps on every rank."""
+
+    def can_run(self, batch: Batch) -> bool:
+        return batch.n % 2 == 0
+
+
+def fallback(ctx: Ctx) -> dict[str, Any]:
+    """Decode under ``full`` with a ``breakable`` fallback set (the flag's ``fallback``): the steps ``full``
+    declines replay the fallback's graphs, collectives inside both sets; graph equals eager TP."""
+    out: dict[str, Any] = {}
+    config = json.dumps({"decode": {"backend": "full", "fallback": "breakable"}})
+    for comm in ctx.comms:
+        model = ctx.model("paged", comm)
+        platform = resolve_platform(ctx.device.type)
+        runner = tp_decode_runner(
+            model,
+            config=config,
+            sizes=DECODE_SIZES,
+            check_lockstep=True,
+            backend=_DecliningOddRows(platform, phase="decode"),
+        )
+        report = runner.capture()
+        steps = _steps(ctx, runner, model, "decode")
+        stats = runner.stats()
+        out[comm] = {
+            "fallback_keys": sorted(r.key.tokens for r in report.fallback),
+            "steps": steps,
+            "replays": stats["replays"],
+            "eager": stats["eager"],
+            "fallback": stats["fallback"],
+        }
+        runner.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "fallback": fallback,
     "equivalence": equivalence,
     "compiled_full": compiled_full,
     "lockstep": lockstep,
