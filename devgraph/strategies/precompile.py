@@ -14,8 +14,9 @@ at all. It is chosen over the alternatives because
 It is used only where it is sound: the forward is a bound method of an ``nn.Module`` (the module is handed
 to torch as *external data*, so weights are never written into the file and a restarted process runs its
 own), and torch's serialiser takes external data (``AOTCompiledFunction.serialize(fn, external_data)``,
-torch 2.10 and later; the 2.9 form would pickle the module itself). Anything else, or an ahead-of-time
-compile that fails, falls back to the traced path with the cache-artifact file, as before.
+as torch 2.13's does; the earlier form pickles the module itself, weights included, and is not used).
+Anything else, or an ahead-of-time compile that fails, falls back to the traced path with the
+cache-artifact file, as before.
 """
 
 from __future__ import annotations
