@@ -8,6 +8,8 @@ weights without dynamo tracing, and the clock splits a compile into torch's phas
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +18,25 @@ import torch
 from devgraph.strategies import precompile
 from devgraph.strategies.adaptive import AdaptiveCompile, trampoline
 from devgraph.strategies.startup import PHASES, StartupClock
+
+
+@contextlib.contextmanager
+def _counting_traces() -> Iterator[list[int]]:
+    """Every dynamo trace, ahead of time or at a call, runs an instruction translator: count them."""
+    from torch._dynamo import symbolic_convert
+
+    traced: list[int] = []
+    original = symbolic_convert.InstructionTranslatorBase.run
+
+    def counting(self: Any) -> Any:
+        traced.append(1)
+        return original(self)
+
+    symbolic_convert.InstructionTranslatorBase.run = counting  # type: ignore[method-assign]
+    try:
+        yield traced
+    finally:
+        symbolic_convert.InstructionTranslatorBase.run = original  # type: ignore[method-assign]
 
 
 class Scale(torch.nn.Module):
@@ -45,8 +66,6 @@ def test_only_a_module_method_on_a_torch_with_external_data_is_precompiled(monke
 
 @pytest.mark.slow
 def test_a_rebuilt_function_runs_without_dynamo_and_with_the_weights_of_this_process() -> None:
-    from torch._dynamo import symbolic_convert
-
     source = Scale(0)
     compiled = torch.compile(trampoline(source.forward), backend="inductor", fullgraph=True)
     x = torch.randn(4, 8)
@@ -61,10 +80,7 @@ def test_a_rebuilt_function_runs_without_dynamo_and_with_the_weights_of_this_pro
     assert source.w.numpy().tobytes() not in data  # the weights stay out of the file
 
     other = Scale(1)
-    traced = []
-    original = symbolic_convert.InstructionTranslatorBase.run
-    symbolic_convert.InstructionTranslatorBase.run = lambda self: traced.append(1) or original(self)  # type: ignore[method-assign]
-    try:
+    with _counting_traces() as traced:
         rebuilt = precompile.deserialize(data, other.forward)
         clock = StartupClock()
         for rows in (1, 3, 16):
@@ -73,7 +89,23 @@ def test_a_rebuilt_function_runs_without_dynamo_and_with_the_weights_of_this_pro
                 assert rebuilt.accepts((y,), {})
                 out = rebuilt(y)
                 assert torch.allclose(out, other(y)) and not torch.allclose(out, source(y))
-    finally:
-        symbolic_convert.InstructionTranslatorBase.run = original  # type: ignore[method-assign]
     assert traced == [] and clock.compiling_calls == 0 and rebuilt.calls == 3
     assert not rebuilt.accepts((torch.randn(3, 5),), {}) and rebuilt.rejected == 1  # a width never traced
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_rebuilt_function_gives_the_cold_outputs_bit_for_bit() -> None:
+    """Triton kernels in the saved function: rebuilt without a trace, the same bits as the function saved."""
+    source = Scale(0).cuda().half()
+    compiled = torch.compile(trampoline(source.forward), backend="inductor", fullgraph=True)
+    x = torch.randn(4, 8, device="cuda", dtype=torch.half)
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    with AdaptiveCompile._patches(dynamic=True):
+        made = precompile.aot_compile(compiled, (x,), {})
+    data = precompile.serialize(made, source.forward)
+    with _counting_traces() as traced:
+        rebuilt = precompile.deserialize(data, source.forward)
+        for rows in (1, 8, 32, 64):
+            y = torch.randn(rows, 8, device="cuda", dtype=torch.half)
+            assert rebuilt.accepts((y,), {}) and torch.equal(rebuilt(y), made(y))
+    assert traced == []

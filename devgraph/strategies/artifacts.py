@@ -199,7 +199,7 @@ class ArtifactCache:
             return "hit"
         payload = payload[: len(payload) - tail]
         if not payload:
-            return "corrupt"  # only a precompiled function this process cannot use
+            return "stale"  # only a precompiled function, which this process cannot use
         try:
             loaded = torch.compiler.load_cache_artifacts(payload)
         except Exception as exc:  # torch rejected the payload (another build, a truncated write)
