@@ -187,17 +187,21 @@ class ArtifactCache:
         tail = header.get("precompiled_bytes", 0)
         if not isinstance(tail, int) or not 0 <= tail <= len(payload):
             return "corrupt"
+        traced, precompiled = payload[: len(payload) - tail], payload[len(payload) - tail :]
         if tail and self.precompile:
             from devgraph.strategies.precompile import deserialize
 
             try:
-                self.precompiled = deserialize(payload[len(payload) - tail :], self.forward)
+                # torch's cache artifacts first: they put the compiled kernels (Triton's binaries) into the
+                # caches the precompiled function's kernels are loaded through, so none is built again.
+                if traced and torch.compiler.load_cache_artifacts(traced) is None:
+                    return "corrupt"
+                self.precompiled = deserialize(precompiled, self.forward)
             except Exception as exc:  # a payload torch cannot rebuild (another build, a damaged file)
                 logger.debug("loading the precompiled forward failed: %s", exc)
                 return "corrupt"
-            # The traced path's artifacts are not needed: nothing is traced while the function serves.
             return "hit"
-        payload = payload[: len(payload) - tail]
+        payload = traced
         if not payload:
             return "stale"  # only a precompiled function, which this process cannot use
         try:
