@@ -29,7 +29,7 @@ from devgraph.strategies.artifacts import ArtifactCache
 
 SCRIPT = textwrap.dedent(
     """
-    import json, logging, sys
+    import hashlib, json, logging, sys
     from pathlib import Path
 
     import torch
@@ -40,9 +40,9 @@ SCRIPT = textwrap.dedent(
 
 
     class Mlp(torch.nn.Module):
-        def __init__(self, width):
+        def __init__(self, width, seed=0):
             super().__init__()
-            generator = torch.Generator().manual_seed(0)
+            generator = torch.Generator().manual_seed(seed)
             self.w1 = torch.nn.Parameter(torch.randn(8, width, generator=generator), requires_grad=False)
             self.w2 = torch.nn.Parameter(torch.randn(width, 4, generator=generator), requires_grad=False)
 
@@ -67,8 +67,28 @@ SCRIPT = textwrap.dedent(
             blob = blob[: len(blob) // 2]
         elif how == "header":  # not a devgraph cache file at all
             blob = b"garbage" + blob[7:]
+        elif how == "garble":  # the precompiled function's bytes garbled under a header that matches them
+            magic_end = blob.index(b"\\n") + 1
+            header_end = blob.index(b"\\n", magic_end)
+            header, payload = json.loads(blob[magic_end:header_end]), bytearray(blob[header_end + 1 :])
+            start = len(payload) - header["precompiled_bytes"]
+            payload[start + 16 :] = bytes(b ^ 0x5A for b in payload[start + 16 :])
+            header["sha256"] = hashlib.sha256(bytes(payload)).hexdigest()
+            blob = blob[:magic_end] + json.dumps(header).encode() + b"\\n" + bytes(payload)
         path.write_bytes(blob)
 
+
+    # Every dynamo trace, ahead of time or at a call, runs an instruction translator: count them.
+    from torch._dynamo import symbolic_convert
+
+    traced = [0]
+    _run_translator = symbolic_convert.InstructionTranslatorBase.run
+
+    def counting_run(self):
+        traced[0] += 1
+        return _run_translator(self)
+
+    symbolic_convert.InstructionTranslatorBase.run = counting_run
 
     # dynamo patches torch.nn.Module.__init__ at the first compile of a process, and the fingerprint's code
     # digest reads it (test_the_fingerprint_does_not_depend_on_earlier_compiles): compile once first, so
@@ -79,12 +99,13 @@ SCRIPT = textwrap.dedent(
     logging.getLogger("devgraph.strategies").addHandler(keep)
     results = []
     for step in steps:
-        if step.get("damage"):
-            (path,) = Path(cache_dir).glob("*.dgcache")
+        if step.get("damage"):  # the file written last (one per model: this step's model wrote it last)
+            path = max(Path(cache_dir).glob("*.dgcache"), key=lambda p: p.stat().st_mtime_ns)
             damage(path, step["damage"])
         keep.messages.clear()
         hits = counters["inductor"]["fxgraph_cache_hit"]
-        model = Mlp(step["width"])
+        traced[0] = 0
+        model = Mlp(step["width"], step.get("seed", 0))
         inputs = {"x": StaticInput(torch.float32, (8,))}
         if step.get("options"):  # the cache configured through BackendOptions
             options = BackendOptions(compiler="inductor", cache_dir=cache_dir)
@@ -105,6 +126,7 @@ SCRIPT = textwrap.dedent(
             "compiles": info["compiles"],
             "recompiles": info["recompiles"],
             "fx_hits": counters["inductor"]["fxgraph_cache_hit"] - hits,
+            "traced": traced[0],
             "warnings": list(keep.messages),
             "output": [v.hex() for v in out.flatten().tolist()],
             "close_to_eager": torch.allclose(out, model(x), rtol=1e-5, atol=1e-5),
@@ -142,15 +164,25 @@ def test_a_second_process_reuses_the_cache_and_rejects_a_stale_or_corrupt_one(tm
     assert (cold["compiles"], cold["recompiles"]) == (1, 0) and cold["close_to_eager"]
     assert Path(cold["path"]).parent == tmp_path / "cache"
 
-    warm, sizes, model = _run(tmp_path, "second", [BASE, {**BASE, "sizes": [1, 2, 8]}, {**BASE, "width": 24}])
-    # The flag's cache_dir and BackendOptions.cache_dir name the same file; inductor's graph came from it.
+    assert cold["precompiled"] == "saved" and cold["traced"] >= 1  # compiled ahead of time, saved whole
+
+    steps = [BASE, {**BASE, "seed": 1}, {**BASE, "sizes": [1, 2, 8]}, {**BASE, "width": 24}]
+    warm, weights, sizes, model = _run(tmp_path, "second", steps)
+    # The flag's cache_dir and BackendOptions.cache_dir name the same file; the compiled forward came from it
+    # whole: dynamo traced nothing and inductor compiled nothing.
     assert warm["path"] == cold["path"]
-    assert warm["status"] == "hit" and warm["fx_hits"] >= 1 and not warm["warnings"]
+    assert warm["status"] == "hit" and warm["precompiled"] == "loaded" and not warm["warnings"]
+    assert warm["traced"] == 0 and (warm["compiles"], warm["recompiles"]) == (0, 0)
     assert warm["output"] == cold["output"]  # bit-identical to the first process
-    assert (warm["compiles"], warm["recompiles"]) == (1, 0)
-    for changed in (sizes, model):  # other sizes, other parameter shapes: stale, not used, rebuilt
-        assert any("is stale" in w and "not used" in w for w in changed["warnings"]), changed["warnings"]
-        assert changed["status"] == "saved" and changed["close_to_eager"]
+    # Other weights of the same shapes: the same file, run with this process's weights (none are saved in it).
+    assert weights["status"] == "hit" and weights["precompiled"] == "loaded" and weights["traced"] == 0
+    assert weights["close_to_eager"] and weights["output"] != warm["output"]
+    # Other sizes: the same runner built otherwise, stale, not used, rebuilt in place.
+    assert any("is stale" in w and "not used" in w for w in sizes["warnings"]), sizes["warnings"]
+    assert sizes["status"] == "saved" and sizes["close_to_eager"] and sizes["path"] == cold["path"]
+    # Other parameter shapes (another model of the same class: a draft beside its target): a file of its own.
+    assert model["status"] == "saved" and model["loaded"] == "miss" and not model["warnings"]
+    assert model["path"] != cold["path"] and model["close_to_eager"]
 
     damaged = _run(
         tmp_path,
@@ -159,18 +191,21 @@ def test_a_second_process_reuses_the_cache_and_rejects_a_stale_or_corrupt_one(tm
             {**BASE, "width": 24, "damage": "flip"},
             {**BASE, "width": 24, "damage": "truncate"},
             {**BASE, "width": 24, "damage": "header"},
+            {**BASE, "width": 24, "damage": "garble"},
             {**BASE, "width": 24},
         ],
     )
     flipped = damaged[0]
     # Not used: nothing of it reached inductor (this process's own inductor cache started empty).
     assert flipped["fx_hits"] == 0 and flipped["close_to_eager"]
-    for result in damaged[:3]:
+    for result in damaged[:4]:
         assert any("is corrupt" in w and "rebuilt" in w for w in result["warnings"]), result["warnings"]
         assert result["status"] == "saved"  # rebuilt by the process that found it damaged
-    rebuilt = damaged[3]
-    assert rebuilt["status"] == "hit" and not rebuilt["warnings"]
-    assert rebuilt["output"] == flipped["output"]
+    garbled = damaged[3]  # torch could not rebuild the function: compiled cold, same outputs, no crash
+    assert garbled["traced"] >= 1 and garbled["close_to_eager"] and garbled["output"] == flipped["output"]
+    rebuilt = damaged[4]
+    assert rebuilt["status"] == "hit" and rebuilt["precompiled"] == "loaded" and not rebuilt["warnings"]
+    assert rebuilt["traced"] == 0 and rebuilt["output"] == flipped["output"]
 
 
 # -- the file format, without compiling -----------------------------------------------------------------
@@ -275,4 +310,9 @@ def test_the_load_outcome_is_kept_after_a_save(tmp_path: Path, monkeypatch) -> N
     assert cache.load() == "stale"
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"new payload", None))
     cache.save()
-    assert cache.describe() == {"path": str(cache.path), "status": "saved", "loaded": "stale"}
+    assert cache.describe() == {
+        "path": str(cache.path),
+        "status": "saved",
+        "loaded": "stale",
+        "precompiled": None,
+    }

@@ -13,6 +13,7 @@ a static compile fails too, naming both causes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -22,6 +23,8 @@ import torch
 
 from devgraph.contract.breaks import running_compiled
 from devgraph.errors import CaptureError, DevGraphError, RecompileError
+from devgraph.strategies.precompile import Precompiled, aot_compile
+from devgraph.strategies.startup import StartupClock
 
 __all__ = [
     "MAX_STATIC_COMPILES",
@@ -162,6 +165,14 @@ class AdaptiveCompile:
         self.fallback_kind: str | None = None
         #: Seconds spent on the static compiles (their first calls) and on the failed dynamic attempt.
         self.fallback_seconds = 0.0
+        #: The dynamic compile as a saved, dynamo-free function (loaded from the artifact cache, or compiled
+        #: ahead of time by this process when ``want_precompile`` is set; see :mod:`.precompile`).
+        self.precompiled: Precompiled | None = None
+        self.want_precompile = False
+        #: Why this process's compile was not saved as a precompiled function (``None``: it was, or unasked).
+        self.precompile_skipped: str | None = None
+        #: Wall seconds of the first call that compiled (trace + compile), and where the time went.
+        self.startup = StartupClock()
 
     @property
     def per_shape(self) -> bool:
@@ -173,10 +184,19 @@ class AdaptiveCompile:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         signature = _signature(args, kwargs)
+        precompiled = self.precompiled
+        if self.fallback_cause is None and precompiled is not None and precompiled.accepts(args, kwargs):
+            with running_compiled():
+                return precompiled(*args, **kwargs)
+        if self.fallback_cause is None and self.want_precompile and self.precompiled is None:
+            result = self._precompile(args, kwargs)
+            if self.precompiled is not None:
+                return result
         if self.fallback_cause is None or signature in self._served:
             start = time.perf_counter()
             try:
-                result = self._run(self._dynamic, args, kwargs, dynamic=True)
+                with self.startup.timing():
+                    result = self._run(self._dynamic, args, kwargs, dynamic=True)
             except Exception as exc:
                 kind = compile_error_kind(exc)
                 if kind is None:
@@ -198,6 +218,27 @@ class AdaptiveCompile:
                 self._served.add(signature)
                 return result
         return self._call_static(signature, args, kwargs)
+
+    def _precompile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Compile the dynamic forward ahead of time (once); on failure the traced path takes over."""
+        self.want_precompile = False
+        try:
+            marked_args, marked_kwargs = self._marked(args, kwargs, dynamic=True)
+            with self.startup.timing(), self._patches(dynamic=True):
+                self.precompiled = aot_compile(self._dynamic, marked_args, marked_kwargs)
+        except RecompileError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch's ahead-of-time path is experimental: fall back
+            self.precompile_skipped = f"ahead-of-time compile failed ({first_line(exc)})"
+            logger.warning(
+                "devgraph: %s: %s; compiling the usual way (a warm start will trace again)",
+                self.what,
+                self.precompile_skipped,
+            )
+            self.startup = StartupClock()
+            return None
+        with running_compiled():
+            return self.precompiled(*args, **kwargs)
 
     def _call_static(self, signature: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         compiled = self._static.get(signature)
@@ -224,8 +265,13 @@ class AdaptiveCompile:
     def _run(
         self, compiled: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, dynamic: bool
     ) -> Any:
-        import torch.fx.experimental._config as fx_config
+        args, kwargs = self._marked(args, kwargs, dynamic=dynamic)
+        with self._patches(dynamic=dynamic):
+            return compiled(*args, **kwargs)
 
+    def _marked(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, dynamic: bool
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if dynamic:
             # Only the rows of the step's inputs vary between keys: the leading dimension of the tensor
             # arguments is dynamic from the first trace, and nothing else is (a size-1 weight or mask in
@@ -240,20 +286,31 @@ class AdaptiveCompile:
             # a failed call), which would make this compile dynamic again; they share the storage.
             args = tuple(_unmarked(a) for a in args)
             kwargs = {k: _unmarked(v) for k, v in kwargs.items()}
+        return args, kwargs
+
+    @staticmethod
+    def _patches(*, dynamic: bool) -> contextlib.ExitStack:
+        import torch.fx.experimental._config as fx_config
+
+        stack = contextlib.ExitStack()
         # backed_size_oblivious: a size of 1 gets no specialised second compile; no duck shaping: a size
         # equal to a weight's width gets no guard of its own. Python floats of the model (an RMSNorm eps)
         # stay constants: as graph inputs they would reach ops that take a float through a host read.
-        with (
-            fx_config.patch(backed_size_oblivious=dynamic, use_duck_shape=False),  # type: ignore[attr-defined]
-            torch._dynamo.config.patch(specialize_float=True),
-            running_compiled(),
-        ):
-            return compiled(*args, **kwargs)
+        stack.enter_context(fx_config.patch(backed_size_oblivious=dynamic, use_duck_shape=False))  # type: ignore[attr-defined]
+        stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+        stack.enter_context(running_compiled())
+        return stack
 
     def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"startup": self.startup.describe()}
+        if self.precompiled is not None:
+            out["precompiled"] = {"calls": self.precompiled.calls, "rejected": self.precompiled.rejected}
+        elif self.precompile_skipped:
+            out["precompile_skipped"] = self.precompile_skipped
         if self.fallback_cause is None:
-            return {"compile": "dynamic"}
+            return {"compile": "dynamic", **out}
         return {
+            **out,
             "compile": "per_shape",
             "fallback_kind": self.fallback_kind,
             "fallback_cause": self.fallback_cause,

@@ -3,8 +3,15 @@
 A compiling strategy (``full`` or ``tc_piecewise`` with a compiler) given ``cache_dir`` loads the
 artifacts of an earlier process before its first compile and saves them after capture, through torch's
 own cache-artifact API (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``: inductor's FX
-graph cache, AOTAutograd cache and autotuning results). dynamo still traces the forward; inductor's code
-generation, the expensive part, is skipped.
+graph cache, AOTAutograd cache and autotuning results). Where the forward could be compiled ahead of time
+(``full``'s dynamic compile of an ``nn.Module``'s forward on a torch that supports it,
+:mod:`devgraph.strategies.precompile`) the file also holds that compiled function, guards included: a
+later process loads it and neither dynamo nor inductor runs. Otherwise dynamo still traces the forward and
+inductor's code generation, the expensive part, is skipped.
+
+The file's name holds the forward's name and a digest of the model's parameter shapes and the static
+inputs, so two models of one class (a target and its draft) or two phases sharing a ``cache_dir`` keep
+files of their own.
 
 Each file carries a header with a *fingerprint* (torch, triton and devgraph versions, the device, the
 strategy and compiler options, the forward's code, the model's parameter shapes and dtypes, the static
@@ -124,7 +131,17 @@ class ArtifactCache:
         name = getattr(forward, "__qualname__", "forward").replace("<", "").replace(">", "")
         options = print_["options"]
         suffix = f"{options['strategy']}-{options['compiler']}.dgcache"
-        self.path = Path(directory).expanduser() / f"{name}.{suffix}"
+        # What this runner is (which model, which inputs) names the file; what it was built with (torch,
+        # the code, the keys) is checked inside it, so a change there is found stale and rebuilt in place.
+        identity = json.dumps([print_.get("model"), print_.get("inputs")], default=str)
+        ident = hashlib.sha256(identity.encode()).hexdigest()[:12]
+        self.path = Path(directory).expanduser() / f"{name}-{ident}.{suffix}"
+        self.forward = forward
+        #: Load the ahead-of-time compiled function when the file has one (set by the compile session).
+        self.precompile = False
+        #: The ahead-of-time compiled function the file held, once loaded.
+        self.precompiled: Any = None
+        self.saved_precompiled = False
         self.fingerprint = print_
         self._key = hashlib.sha256(json.dumps(print_, sort_keys=True, default=str).encode()).hexdigest()
         self.status = "unused"  # hit | miss | stale | corrupt | saved | unused
@@ -167,6 +184,26 @@ class ArtifactCache:
             return "stale"
         if header.get("sha256") != hashlib.sha256(payload).hexdigest() or header.get("bytes") != len(payload):
             return "corrupt"
+        tail = header.get("precompiled_bytes", 0)
+        if not isinstance(tail, int) or not 0 <= tail <= len(payload):
+            return "corrupt"
+        traced, precompiled = payload[: len(payload) - tail], payload[len(payload) - tail :]
+        if tail and self.precompile:
+            from devgraph.strategies.precompile import deserialize
+
+            try:
+                # torch's cache artifacts first: they put the compiled kernels (Triton's binaries) into the
+                # caches the precompiled function's kernels are loaded through, so none is built again.
+                if traced and torch.compiler.load_cache_artifacts(traced) is None:
+                    return "corrupt"
+                self.precompiled = deserialize(precompiled, self.forward)
+            except Exception as exc:  # a payload torch cannot rebuild (another build, a damaged file)
+                logger.debug("loading the precompiled forward failed: %s", exc)
+                return "corrupt"
+            return "hit"
+        payload = traced
+        if not payload:
+            return "stale"  # only a precompiled function, which this process cannot use
         try:
             loaded = torch.compiler.load_cache_artifacts(payload)
         except Exception as exc:  # torch rejected the payload (another build, a truncated write)
@@ -175,17 +212,19 @@ class ArtifactCache:
         # torch logs and returns None, rather than raising, when it cannot read the payload.
         return "hit" if loaded is not None else "corrupt"
 
-    def save(self) -> None:
-        """Write this process's compiled artifacts (atomically: a reader never sees half a file)."""
+    def save(self, precompiled: bytes = b"") -> None:
+        """Write this process's compiled artifacts and, when given, the ahead-of-time compiled forward
+        (atomically: a reader never sees half a file)."""
         saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
+        if saved is None and not precompiled:
             return
-        payload = saved[0]
+        payload = (saved[0] if saved is not None else b"") + precompiled
         header = {
             "format": _FORMAT,
             "key": self._key,
             "sha256": hashlib.sha256(payload).hexdigest(),
             "bytes": len(payload),
+            "precompiled_bytes": len(precompiled),
             "fingerprint": self.fingerprint,
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +237,18 @@ class ArtifactCache:
             Path(tmp).unlink(missing_ok=True)
             raise
         self.status = "saved" if self.status != "hit" else "hit"
+        if precompiled:
+            self.saved_precompiled = True
 
     def describe(self) -> dict[str, Any]:
-        return {"path": str(self.path), "status": self.status, "loaded": self.loaded}
+        return {
+            "path": str(self.path),
+            "status": self.status,
+            "loaded": self.loaded,
+            # "loaded": the forward came from the file whole (no trace); "saved": written for the next start.
+            "precompiled": "loaded"
+            if self.precompiled is not None
+            else "saved"
+            if self.saved_precompiled
+            else None,
+        }

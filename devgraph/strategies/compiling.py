@@ -22,6 +22,7 @@ recompile after capture, and leave nothing behind when a runner closes.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -181,16 +182,55 @@ class CompileSession:
         ]
         print_ = fingerprint(self._forward, self.platform.device_type, options, specs, [str(k) for k in keys])
         self.cache = ArtifactCache(self.options.cache_dir, self._forward, print_)
+        compiled = self._compiled
+        unsupported = self._precompile_unsupported(compiler)
+        self.cache.precompile = unsupported is None
+        start = time.perf_counter()
         self.cache.load()
+        if compiled is None:
+            return
+        compiled.startup.loaded(self.cache.loaded, time.perf_counter() - start)
+        if self.cache.precompiled is not None:
+            compiled.precompiled = self.cache.precompiled
+        elif unsupported is None:
+            compiled.want_precompile = True  # compile ahead of time, so that the next start loads it whole
+        else:
+            compiled.precompile_skipped = unsupported
+
+    def _precompile_unsupported(self, compiler: str | None) -> str | None:
+        """Why this session's compile cannot be saved as a dynamo-free function, or ``None``."""
+        if self.strategy != "full" or compiler != Compiler.INDUCTOR.value:
+            return "only full with the inductor compiler is precompiled"
+        from devgraph.strategies.precompile import precompile_support
+
+        return precompile_support(self._forward) if self._forward is not None else "no forward"
 
     def captured(self) -> None:
         """After a capture session: save new artifacts, and treat any later compile as a recompile."""
-        if self.cache is not None and self.cache.status in ("miss", "stale", "corrupt"):
-            try:
-                self.cache.save()
-            except OSError as exc:
-                logger.warning("devgraph: could not write compile cache %s: %s", self.cache.path, exc)
+        compiled = self._compiled
+        fresh = compiled is not None and compiled.precompiled is not None
+        fresh = fresh and self.cache is not None and self.cache.precompiled is None
+        if self.cache is not None and (self.cache.status in ("miss", "stale", "corrupt") or fresh):
+            self._save(compiled.precompiled if fresh and compiled is not None else None)
         self.tracker.seal()
+
+    def _save(self, precompiled: Any) -> None:
+        from devgraph.strategies.precompile import serialize
+
+        data = b""
+        if precompiled is not None and self._forward is not None:
+            try:
+                data = serialize(precompiled, self._forward)
+            except Exception as exc:  # noqa: BLE001 - experimental in torch: keep the traced path's file
+                logger.warning(
+                    "devgraph: the precompiled forward could not be saved (%s); a warm start "
+                    "will trace again",
+                    exc,
+                )
+        try:
+            self.cache.save(data)
+        except OSError as exc:
+            logger.warning("devgraph: could not write compile cache %s: %s", self.cache.path, exc)
 
     def reset(self) -> None:
         self.tracker.unseal()
