@@ -100,10 +100,10 @@ def test_fused_kernels_on_the_gpu_round_like_torch() -> None:
     scale = (1 + 0.1 * torch.randn(24, 128, device=dev)).to(dtype)
     cos, sin = torch.randn(33, 64, device=dev, dtype=dtype), torch.randn(33, 64, device=dev, dtype=dtype)
     gate_up = torch.randn(33, 6144, device=dev, dtype=dtype)
-    # Every fused kernel lands within one bf16 step of torch's form. Not bitwise: on an H100 (torch 2.11,
-    # Triton 3.6) the fused rotation differed from torch's by one step at some elements although the kernel
-    # rounds each product as torch does (seen in benchmarks/results/h100-cuda-tests-2.txt).
-    ulp = 2.0**-7  # one bf16 step at magnitude 1
+    # Every fused kernel lands within two bf16 steps of torch's form. Not bitwise: on an H100 (torch 2.11,
+    # Triton 3.6) the fused rotation differed from torch's by a step at some elements, across a binade edge
+    # too, although the kernel rounds each product as torch does (benchmarks/results/h100-cuda-tests*.txt).
+    ulp = 2 * 2.0**-7  # two bf16 steps at magnitude 1
     for ref, out in (
         (qk_norm_rope(qk, None, cos, sin, 1e-6, False), qk_norm_rope(qk, None, cos, sin, 1e-6, True)),
         (silu_mul(gate_up, False), silu_mul(gate_up, True)),

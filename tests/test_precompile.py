@@ -97,6 +97,9 @@ def test_a_rebuilt_function_runs_without_dynamo_and_with_the_weights_of_this_pro
 def test_on_a_gpu_the_rebuilt_function_gives_the_cold_outputs_bit_for_bit() -> None:
     """Triton kernels in the saved function: rebuilt without a trace, the same bits as the function saved."""
     source = Scale(0).cuda().half()
+    missing = precompile.precompile_support(source.forward)
+    if missing is not None:  # torch 2.11 (the GPU image): warm starts take the traced path, tested elsewhere
+        pytest.skip(f"no ahead-of-time compile here: {missing}")
     compiled = torch.compile(trampoline(source.forward), backend="inductor", fullgraph=True)
     x = torch.randn(4, 8, device="cuda", dtype=torch.half)
     torch._dynamo.maybe_mark_dynamic(x, 0)

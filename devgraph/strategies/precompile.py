@@ -52,7 +52,14 @@ def precompile_support(forward: Callable[..., Any]) -> str | None:
         return f"torch {torch.__version__} cannot keep the model out of a precompiled file (no external_data)"
     if not getattr(torch._dynamo.config, "enable_aot_compile", True):
         return "torch._dynamo.config.enable_aot_compile is off"
+    if not hasattr(torch.compile(_identity, fullgraph=True), "aot_compile"):
+        # torch 2.11 has the module but its torch.compile wrappers have no aot_compile (seen on an H100).
+        return f"torch {torch.__version__}'s torch.compile wrappers have no aot_compile"
     return None
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 class Precompiled:
