@@ -47,6 +47,13 @@ def _drawer(seed: int, device: torch.device, exact: bool) -> Draw:
     return draw
 
 
+def _empty(device: torch.device) -> Draw:
+    def draw(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    return draw
+
+
 def _part(total: int, rank: int, size: int) -> slice:
     step = total // size
     return slice(rank * step, (rank + 1) * step)
@@ -131,6 +138,7 @@ class TPReferenceModel(ReferenceModel):
         *,
         comm: str = "auto",
         exact_weights: bool = True,
+        weights: str = "random",
     ) -> None:
         nn.Module.__init__(self)  # ReferenceModel's own __init__ would draw and keep the full weights
         device = torch.device(device if device is not None else "cpu")
@@ -148,14 +156,15 @@ class TPReferenceModel(ReferenceModel):
                 "pick a tensor-parallel size that divides them"
             )
         features = [name for name in ("qkv_bias", "qk_norm") if getattr(config, name)]
-        features += [] if config.tie_embeddings else ["tie_embeddings=False"]
         if features:
             raise ConfigError(
                 f"the tensor-parallel reference model does not shard {', '.join(features)}; "
                 "run such a model on one device"
             )
-        self.lm_head = None
-        draw = _drawer(seed, device, exact_weights)
+        if weights not in ("random", "empty"):
+            raise ConfigError(f"weights={weights!r} is unknown; accepted: random, empty")
+        # "empty": shapes only, every weight filled later (a checkpoint loader slices each rank's part).
+        draw = _drawer(seed, device, exact_weights) if weights == "random" else _empty(device)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
         self.embed = nn.Parameter(embed.to(device=device, dtype=config.dtype), requires_grad=False)
         self.layers = nn.ModuleList(
@@ -165,6 +174,14 @@ class TPReferenceModel(ReferenceModel):
         self.norm = RMSNorm(
             config.hidden_size, config.rms_eps, device=device, dtype=config.dtype, fused=fused
         )
+        # An untied LM head is vocab-parallel too: this rank's rows, drawn last as ReferenceModel draws it.
+        self.lm_head = None
+        if not config.tie_embeddings:
+            head = draw((config.vocab_size, config.hidden_size), config.hidden_size)
+            part = _part(config.vocab_size, self.comm.rank, size)
+            self.lm_head = nn.Parameter(
+                head[part].contiguous().to(device=device, dtype=config.dtype), requires_grad=False
+            )
         cos, sin = decoder_rope_tables(config, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -177,11 +194,17 @@ class TPReferenceModel(ReferenceModel):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel LM head: this rank's vocabulary slice, then an all-gather -> ``[T, vocab]``."""
         size = self.comm.world_size
-        if size == 1:
+        if self.lm_head is not None:  # already this rank's vocabulary slice
+            local = F.linear(hidden, self.lm_head)
+        elif size == 1:
             return F.linear(hidden, self.embed)
+        else:
+            part = self.config.vocab_size // size
+            local = F.linear(hidden, self.embed[self.comm.rank * part : (self.comm.rank + 1) * part])
+        if size == 1:
+            return local
         part = self.config.vocab_size // size
-        rank = self.comm.rank
-        local = F.linear(hidden, self.embed[rank * part : (rank + 1) * part])  # [T, vocab / size]
+        # local: [T, vocab / size]
         gathered = self.comm.all_gather(local)  # [size * T, vocab / size], rank 0's rows first
         return gathered.view(size, -1, part).permute(1, 0, 2).reshape(-1, size * part)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,11 +113,17 @@ def _batch_limits(
 
 
 def build_engine(
-    args: argparse.Namespace, source: ModelSource | None = None, startup: Startup | None = None
+    args: argparse.Namespace,
+    source: ModelSource | None = None,
+    startup: Startup | None = None,
+    *,
+    group: Any = None,
+    engine_class: Callable[..., Engine] = Engine,
 ) -> Engine:
     """The model and engine the flags describe, graphs captured. Logs each start-up stage (model and KV
     cache, the weights, each graph captured, the capture table) at INFO, so a log shows where start-up
-    is; ``startup`` (if given) gets each stage's seconds."""
+    is; ``startup`` (if given) gets each stage's seconds. ``group``: a tensor-parallel process group (the
+    model is this rank's shard; ``engine_class`` builds rank 0's engine)."""
     startup = startup if startup is not None else Startup()
     device = _device(args)
     defaults = device_defaults(device)
@@ -152,7 +159,7 @@ def build_engine(
     note = auto_fallback_note(model_config.kernels, device)
     if note:
         logger.warning("%s", note)
-    built = source.build(model_config, device, args.seed, getattr(args, "progress", None))
+    built = source.build(model_config, device, args.seed, getattr(args, "progress", None), group)
     startup.times["weights_s"] = built.seconds
     startup.weights = built.how
     logger.info(
@@ -161,13 +168,18 @@ def build_engine(
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
     background = getattr(args, "capture_in_background", False)
+    if background and group is not None:
+        raise ConfigError(
+            "--capture-in-background is not available with --tp: every rank must capture in lock-step "
+            "before serving; leave one of them out"
+        )
     logger.info(
         "%s graphs (--device-graph-mode %s)",
         "serving before the" if background else "capturing",
         graphs.source,
     )
     start = time.perf_counter()
-    engine = Engine(
+    engine = engine_class(
         built.model, engine_config, device_graph_mode=graphs, progress=args.progress, capture=not background
     )
     if background:

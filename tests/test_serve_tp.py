@@ -1,0 +1,152 @@
+"""``devgraph serve --tp 2`` as a subprocess on a tiny local Llama checkpoint (untied, vocab-parallel LM
+head; GQA): on the CPU two processes over gloo, graphs simulated; ``multi_gpu``: two GPUs over NCCL.
+
+Its greedy tokens equal the single-process server's for prompts sent together (deterministic mode, so a
+request's tokens do not depend on its batch); SIGTERM stops rank 0 and its worker; a killed worker makes
+the in-flight request end with an error and the server exit 1 with a message naming the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import ServerProcess
+
+pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp")
+pytest.importorskip("transformers", reason="the test checkpoint is written with transformers")
+pytestmark = pytest.mark.timeout(180)
+
+COMMON = ["--cpu-threads", "1", "--max-running-requests", "4", "--token-budget", "32", "--deterministic"]
+# The third prompt is longer than the 32-token step: a chunked prefill crosses ranks too.
+PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [7] * 40, [300, 5, 17, 42, 99, 100]]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from checkpoints import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("tp") / "llama", "llama")
+
+
+def _greedy(server: ServerProcess, prompts: list[list[int]]) -> list[list[int]]:
+    def one(prompt: list[int]) -> list[int]:
+        status, body = server.post({"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+        assert status == 200, body
+        return list(body["choices"][0]["token_ids"])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # together: batched steps on both servers
+        return list(pool.map(one, prompts))
+
+
+def _workers(pid: int) -> list[int]:
+    """The spawned worker processes among ``pid``'s children (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = []
+    for child in children:
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            found.append(int(child))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+@pytest.fixture
+def servers(llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, ServerProcess]]:
+    device = request.param
+    flags = ["--model", str(llama_dir), "--device", device, *COMMON]
+    started: dict[str, ServerProcess] = {}
+    try:
+        started["single"] = ServerProcess(*flags)
+        started["tp"] = ServerProcess(*flags, "--tp", "2")
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def _check_equal_then_stop(servers: dict[str, ServerProcess]) -> None:
+    single, tp = servers["single"], servers["tp"]
+    expected = _greedy(single, PROMPTS)
+    assert all(len(tokens) == NEW_TOKENS for tokens in expected)
+    assert _greedy(tp, PROMPTS) == expected
+    workers = _workers(tp.proc.pid)
+    assert len(workers) == 1
+    assert tp.stop() == 0
+    assert all(_gone(pid) for pid in workers), "SIGTERM on rank 0 left a worker running"
+
+
+@pytest.mark.parametrize("servers", ["cpu"], indirect=True)
+def test_tp2_greedy_tokens_equal_the_single_process_server(servers: dict[str, ServerProcess]) -> None:
+    _check_equal_then_stop(servers)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("servers", ["cuda"], indirect=True)
+def test_tp2_on_two_gpus_greedy_tokens_equal_one_gpu(servers: dict[str, ServerProcess]) -> None:
+    _check_equal_then_stop(servers)
+
+
+def _stream_until_end(server: ServerProcess, started: list[float]) -> dict[str, Any]:
+    """A long streamed request; returns its HTTP status, the error event (if any) and the tokens."""
+    import urllib.request
+
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST")
+    result: dict[str, Any] = {"tokens": 0, "error": None}
+    with urllib.request.urlopen(req, timeout=60) as response:
+        result["status"] = response.status
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                result["error"] = event["error"]
+                break
+            result["tokens"] += 1
+            if not started:
+                started.append(time.monotonic())
+    return result
+
+
+def test_a_killed_worker_fails_the_request_and_stops_the_server(llama_dir: Path) -> None:
+    # --max-seq-len leaves room for the 200 tokens; a slow step is not needed, the kill comes mid-stream.
+    server = ServerProcess("--model", str(llama_dir), "--device", "cpu", *COMMON, "--tp", "2")
+    try:
+        (worker,) = _workers(server.proc.pid)
+        started: list[float] = []
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_until_end, server, started)
+            while not started and not stream.done():
+                time.sleep(0.01)
+            os.kill(worker, signal.SIGKILL)
+            result = stream.result(timeout=60)
+        assert result["status"] == 200  # the stream had begun; its last event is the error
+        assert result["error"] is not None, result
+        assert "tensor-parallel rank" in result["error"]["message"]
+        assert result["tokens"] < 200
+        code = server.proc.wait(timeout=60)
+        assert code == 1
+        log = "".join(server.stderr)
+        assert "tensor-parallel rank 1" in log and "exiting (code 1)" in log
+    finally:
+        server.stop()
