@@ -1,5 +1,6 @@
-"""``devgraph serve --tp 2`` as a subprocess on a tiny local Llama checkpoint (untied, vocab-parallel LM
-head; GQA): on the CPU two processes over gloo, graphs simulated; ``multi_gpu``: two GPUs over NCCL.
+"""``devgraph serve --tp 2`` as a subprocess on tiny local checkpoints (Llama: untied, vocab-parallel LM
+head, GQA; Qwen3: per-head q/k norms sliced per rank, against transformers' own greedy tokens): on the CPU two
+processes over gloo, graphs simulated; ``multi_gpu``: two GPUs over NCCL.
 
 Its greedy tokens equal the single-process server's for prompts sent together (deterministic mode, so a
 request's tokens do not depend on its batch); SIGTERM stops rank 0 and its worker; a killed worker makes
@@ -31,10 +32,18 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """Checkpoints written on first use, per family."""
     from checkpoints import build_checkpoint
 
-    return build_checkpoint(tmp_path_factory.mktemp("tp") / "llama", "llama")
+    root, built = tmp_path_factory.mktemp("tp"), {}
+
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, family: str) -> Path:
+            built[family] = build_checkpoint(root / family, family)
+            return built[family]
+
+    yield Lazy()
 
 
 def _greedy(server: ServerProcess, prompts: list[list[int]]) -> list[list[int]]:
@@ -70,9 +79,11 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def servers(llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[dict[str, ServerProcess]]:
-    device = request.param
-    flags = ["--model", str(llama_dir), "--device", device, *COMMON]
+def servers(
+    checkpoint_dirs: dict[str, Path], request: pytest.FixtureRequest
+) -> Iterator[dict[str, ServerProcess]]:
+    device, family = request.param
+    flags = ["--model", str(checkpoint_dirs[family]), "--device", device, *COMMON]
     started: dict[str, ServerProcess] = {}
     try:
         started["single"] = ServerProcess(*flags)
@@ -94,13 +105,15 @@ def _check_equal_then_stop(servers: dict[str, ServerProcess]) -> None:
     assert all(_gone(pid) for pid in workers), "SIGTERM on rank 0 left a worker running"
 
 
-@pytest.mark.parametrize("servers", ["cpu"], indirect=True)
+@pytest.mark.parametrize("servers", [("cpu", "llama")], indirect=True, ids=["llama"])
 def test_tp2_greedy_tokens_equal_the_single_process_server(servers: dict[str, ServerProcess]) -> None:
     _check_equal_then_stop(servers)
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("servers", ["cuda"], indirect=True)
+@pytest.mark.parametrize(
+    "servers", [("cuda", "llama"), ("cuda", "qwen3")], indirect=True, ids=["llama", "qwen3"]
+)
 def test_tp2_on_two_gpus_greedy_tokens_equal_one_gpu(servers: dict[str, ServerProcess]) -> None:
     _check_equal_then_stop(servers)
 
@@ -109,7 +122,8 @@ def _stream_until_end(server: ServerProcess, started: list[float]) -> dict[str, 
     """A long streamed request; returns its HTTP status, the error event (if any) and the tokens."""
     import urllib.request
 
-    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "stream": True}).encode()
+    payload = {"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = json.dumps(payload).encode()
     req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST")
     result: dict[str, Any] = {"tokens": 0, "error": None}
     with urllib.request.urlopen(req, timeout=60) as response:
@@ -128,10 +142,18 @@ def _stream_until_end(server: ServerProcess, started: list[float]) -> dict[str, 
     return result
 
 
-def test_a_killed_worker_fails_the_request_and_stops_the_server(llama_dir: Path) -> None:
-    # --max-seq-len leaves room for the 200 tokens; a slow step is not needed, the kill comes mid-stream.
-    server = ServerProcess("--model", str(llama_dir), "--device", "cpu", *COMMON, "--tp", "2")
+def test_qwen3_under_tp2_equals_transformers_then_a_killed_worker_stops_it(
+    checkpoint_dirs: dict[str, Path],
+) -> None:
+    """Qwen3 (per-head q/k norms sliced per rank, tied head): greedy tokens equal transformers' own, then
+    the worker is killed mid-stream: the request ends with an error naming the rank, the server exits 1."""
+    from checkpoints import hf_greedy
+
+    directory = checkpoint_dirs["qwen3"]
+    server = ServerProcess("--model", str(directory), "--device", "cpu", *COMMON, "--tp", "2")
     try:
+        expected = [greedy.tokens for greedy in hf_greedy(directory, PROMPTS[:2], NEW_TOKENS)]
+        assert _greedy(server, PROMPTS[:2]) == expected
         (worker,) = _workers(server.proc.pid)
         started: list[float] = []
         with ThreadPoolExecutor(1) as pool:

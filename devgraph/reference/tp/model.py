@@ -77,7 +77,15 @@ class TPDecoderLayer(DecoderLayer):
         self.split_sizes = (q_size, kv_size, kv_size)
         self.fused = fused_kernels(c.kernels, device)
         self.rms_eps = c.rms_eps
-        self.qk_norm = None
+        # Biases start at zero and norm scales at one (as DecoderLayer's): this rank's rows, nothing drawn.
+        local_qkv = q_full // size + 2 * (kv_full // size)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(local_qkv, device=device, dtype=dt), requires_grad=False)
+            if c.qkv_bias
+            else None
+        )
+        heads = self.num_heads + self.num_kv_heads  # this rank's query heads, then its KV heads
+        self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_eps, device=device, dtype=dt) if c.qk_norm else None
         self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
 
@@ -106,9 +114,10 @@ class TPDecoderLayer(DecoderLayer):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
-        qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
+        qkv = F.linear(self.input_norm(hidden), self.qkv_proj, self.qkv_bias).view(n, -1, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        qk = qk_norm_rope(qk, None, cos, sin, self.rms_eps, self.fused)
+        scale = None if self.qk_norm is None else self.qk_norm.weight
+        qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         attn = self.comm.all_reduce(F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj))
         normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
@@ -154,12 +163,6 @@ class TPReferenceModel(ReferenceModel):
             raise ConfigError(
                 f"tensor parallelism over {size} ranks needs {', '.join(bad)} divisible by {size}; "
                 "pick a tensor-parallel size that divides them"
-            )
-        features = [name for name in ("qkv_bias", "qk_norm") if getattr(config, name)]
-        if features:
-            raise ConfigError(
-                f"the tensor-parallel reference model does not shard {', '.join(features)}; "
-                "run such a model on one device"
             )
         if weights not in ("random", "empty"):
             raise ConfigError(f"weights={weights!r} is unknown; accepted: random, empty")

@@ -166,10 +166,21 @@ def _tp_slots(model: ReferenceModel) -> dict[str, _Slot]:
         prefix = f"model.layers.{i}."
         put(prefix + "input_layernorm.weight", layer.input_norm.weight.data, (hidden,))
         put(prefix + "post_attention_layernorm.weight", layer.post_attention_norm.weight.data, (hidden,))
-        qkv = layer.qkv_proj.data
-        put(prefix + "self_attn.q_proj.weight", qkv[:q_local], (q, hidden), rows(q))
-        put(prefix + "self_attn.k_proj.weight", qkv[q_local : q_local + kv_local], (kv, hidden), rows(kv))
-        put(prefix + "self_attn.v_proj.weight", qkv[q_local + kv_local :], (kv, hidden), rows(kv))
+        local = {"q_proj": slice(0, q_local), "k_proj": slice(q_local, q_local + kv_local)}
+        local["v_proj"] = slice(q_local + kv_local, q_local + 2 * kv_local)
+        for name, full in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            put(
+                f"{prefix}self_attn.{name}.weight",
+                layer.qkv_proj.data[local[name]],
+                (full, hidden),
+                rows(full),
+            )
+            if layer.qkv_bias is not None:
+                put(f"{prefix}self_attn.{name}.bias", layer.qkv_bias.data[local[name]], (full,), rows(full))
+        if layer.qk_norm is not None:  # one [head_dim] scale fills every row of this rank's heads
+            scale, heads = layer.qk_norm.weight.data, c.num_heads // size
+            put(prefix + "self_attn.q_norm.weight", scale[:heads], (c.head_dim,))
+            put(prefix + "self_attn.k_norm.weight", scale[heads:], (c.head_dim,))
         put(prefix + "self_attn.o_proj.weight", layer.o_proj.data, (hidden, q), columns(q))
         gate_up = layer.gate_up_proj.data
         put(prefix + "mlp.gate_proj.weight", gate_up[:inter_local], (inter, hidden), rows(inter))

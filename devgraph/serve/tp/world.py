@@ -96,7 +96,7 @@ class TPWorld:
         self._stopping.set()
         if first and self.channel is not None:
             self.channel.close()
-            if self.failure is None:
+            if self.failure is None and not self._dead():  # a dead worker: start-up failed on it too
                 try:
                     self.channel.send(STOP)
                 except RankLost as exc:
