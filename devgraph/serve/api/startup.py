@@ -134,8 +134,10 @@ def build_engine(
         overrides[name] = getattr(args, name, None)
     model_config = source.model_config(overrides)
     # Before allocating (or capturing) anything: the cache must fit the memory and the warm-up.
-    loading = 0 if source.is_preset else weight_bytes(model_config)
-    check_kv_memory(model_config, _free_bytes(device), device, loading)
+    # Under tensor parallelism each rank holds about 1/N of the weights and of the KV cache (its heads).
+    shards = torch.distributed.get_world_size(group) if group is not None else 1
+    loading = 0 if source.is_preset else weight_bytes(model_config) // shards
+    check_kv_memory(model_config, _free_bytes(device), device, loading, shards)
     check_warm_up_fits(model_config)
     _warn_small_cache(model_config)
     engine_config = EngineConfig(
@@ -208,14 +210,18 @@ def weight_bytes(config: ReferenceConfig) -> int:
 
 
 def check_kv_memory(
-    config: ReferenceConfig, free_bytes: int | None, device: Any = "the device", loading: int = 0
+    config: ReferenceConfig,
+    free_bytes: int | None,
+    device: Any = "the device",
+    loading: int = 0,
+    shards: int = 1,
 ) -> None:
     """:class:`ConfigError` (one line: the size and the flags that lower it) when the KV cache would take
     more than :data:`KV_MEMORY_SHARE` of ``free_bytes`` less ``loading`` (weights still to load); nothing
     when the free memory is unknown."""
     if free_bytes is None:
         return
-    needed = kv_cache_bytes(config)
+    needed = kv_cache_bytes(config) // shards  # a tensor-parallel rank keeps its KV heads only
     available = free_bytes - loading
     if needed <= KV_MEMORY_SHARE * available:
         return

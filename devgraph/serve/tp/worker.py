@@ -49,9 +49,11 @@ def serve_steps(engine: Engine, channel: StepChannel) -> int:
 def worker_main(args: argparse.Namespace, rank: int, size: int, port: int) -> None:
     """The entry point of rank ``rank`` (a spawned process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=args.log_level.upper(), format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s"
-    )
+    # Rank 0 logs every start-up stage; a worker's own lines would repeat them, so it logs problems only
+    # (everything with --log-level debug), and draws no progress bars.
+    level = "DEBUG" if args.log_level == "debug" else "WARNING"
+    logging.basicConfig(level=level, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
+    args.progress = False
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     from devgraph.ranks import destroy_process_group
