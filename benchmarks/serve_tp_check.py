@@ -85,7 +85,14 @@ def _kill_worker(server: ServerProcess, max_tokens: int) -> dict[str, Any]:
     import urllib.request
 
     (worker,) = _workers(server.proc.pid)
-    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    payload = {
+        "prompt": [5, 6, 7],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    body = json.dumps(payload)
     request = urllib.request.Request(server.url + "/v1/completions", data=body.encode(), method="POST")
     result: dict[str, Any] = {"worker_pid": worker, "tokens_before_error": 0}
     killed = time.monotonic()
@@ -163,19 +170,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 data["skipped"].append(f"{label}: {left():.0f} s of the budget left")
                 continue
             flags = ["--model", str(directory), *device, *limits, "--deterministic", "--dtype", dtype, *extra]
-            server = ServerProcess(*flags, "--log-level", "warning")
             entry: dict[str, Any] = {"flags": flags}
-            greedy = _load(
-                server.url, [TraceRequest(i, p, args.new_tokens) for i, p in enumerate(prompts)], len(prompts)
-            )
-            tokens[name] = [r["token_ids"] for r in greedy["results"]]
-            entry["greedy_failed"] = greedy["summary"]["failed"]
-            if dtype == "bfloat16" and left() > 30:
-                load = _load(server.url, trace, args.concurrency)["summary"]
-                entry["load"] = {k: v for k, v in load.items() if not isinstance(v, list)}
-                entry["load"]["concurrency"] = args.concurrency
             data["servers"][label] = entry
-            if name == "tp2":
+            try:
+                server = ServerProcess(*flags, "--log-level", "warning")
+            except Exception as exc:  # recorded: a server that does not start is the finding
+                entry["error"] = repr(exc)[-2000:]
+                continue
+            try:
+                trace_prompts = [TraceRequest(i, p, args.new_tokens) for i, p in enumerate(prompts)]
+                greedy = _load(server.url, trace_prompts, len(prompts))
+                tokens[name] = [r["token_ids"] for r in greedy["results"]]
+                entry["greedy_failed"] = greedy["summary"]["failed"]
+                if dtype == "bfloat16" and left() > 30:
+                    load = _load(server.url, trace, args.concurrency)["summary"]
+                    entry["load"] = {k: v for k, v in load.items() if not isinstance(v, list)}
+                    entry["load"]["concurrency"] = args.concurrency
+            except Exception as exc:
+                entry["error"] = repr(exc)[-2000:]
+            if name == "tp2" and "error" not in entry:
                 if last_tp is not None:
                     last_tp.stop()
                 last_tp = server

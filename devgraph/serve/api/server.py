@@ -5,6 +5,9 @@ may finish for ``--drain-timeout`` seconds, then the rest are aborted (streams e
 ``finish_reason: "abort"``); handlers get :data:`SHUTDOWN_GRACE` more seconds to write their last
 bytes (a client that stopped reading, or one still sending its body, is then cut off); the listener
 closes, graphs are released, and the process exits 0.
+
+With ``--tp N`` (:mod:`devgraph.serve.tp`) the workers are stopped after that; a lost rank ends every
+request in flight with an error, takes the same way out and exits 1.
 """
 
 from __future__ import annotations
