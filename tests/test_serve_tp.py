@@ -172,3 +172,30 @@ def test_qwen3_under_tp2_equals_transformers_then_a_killed_worker_stops_it(
         assert "tensor-parallel rank 1" in log and "exiting (code 1)" in log
     finally:
         server.stop()
+
+
+@pytest.mark.slow  # ~15 s: it waits out a short rank timeout twice (idle, then stuck)
+def test_heartbeats_keep_an_idle_server_and_a_stuck_worker_times_out(
+    checkpoint_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEVGRAPH_RANK_TIMEOUT_S=3: idle for longer than that, the server still answers (rank 0's heartbeats);
+    a worker stopped with SIGSTOP (alive, not answering) fails the next request with a 500 naming the
+    timeout, and the server exits 1 and takes the stuck worker with it."""
+    monkeypatch.setenv("DEVGRAPH_RANK_TIMEOUT_S", "3")
+    server = ServerProcess("--model", str(checkpoint_dirs["llama"]), "--device", "cpu", *COMMON, "--tp", "2")
+    try:
+        (worker,) = _workers(server.proc.pid)
+        time.sleep(7)
+        assert server.post({"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0})[0] == 200
+        os.kill(worker, signal.SIGSTOP)
+        status, body = server.post({"prompt": [1, 2, 3], "max_tokens": 30, "temperature": 0})
+        assert status == 500, body
+        message = body["error"]["message"]
+        assert "tensor-parallel rank was lost" in message and "DEVGRAPH_RANK_TIMEOUT_S=3" in message
+        assert server.proc.wait(timeout=60) == 1
+        deadline = time.monotonic() + 10
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker), "the stuck worker outlived rank 0"
+    finally:
+        server.stop()
