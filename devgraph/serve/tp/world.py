@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from devgraph.errors import ConfigError
 from devgraph.serve.tp.channel import STOP, RankLost, StepChannel
 from devgraph.serve.tp.rank import free_port, init_rank, rank_device
 
@@ -56,7 +57,7 @@ class TPWorld:
             return
         self.failure = message
         logger.error("devgraph serve --tp: %s; the server stops", message)
-        timer = threading.Timer(EXIT_GRACE_S, _hard_exit, (message,))
+        timer = threading.Timer(EXIT_GRACE_S, self._hard_exit, (message,))
         timer.daemon = True
         timer.start()
         self.on_lost(message)
@@ -88,7 +89,15 @@ class TPWorld:
 
     def _lost_at_startup(self, message: str) -> None:
         self.stop()
-        _hard_exit(message)
+        self._hard_exit(message)
+
+    def _hard_exit(self, message: str) -> None:
+        """End the process now; SIGKILL the workers first (one may be stuck in a device collective)."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        print(f"devgraph serve --tp: {message}; exiting (code 1)", file=sys.stderr, flush=True)
+        os._exit(1)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the workers: the stop message (when they still listen), then join, then terminate."""
@@ -114,17 +123,18 @@ class TPWorld:
             destroy_process_group()  # closes the runners first, then the group
 
 
-def _hard_exit(message: str) -> None:
-    print(f"devgraph serve --tp: {message}; exiting (code 1)", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
 def start_world(args: argparse.Namespace) -> TPWorld:
     """Spawn ranks 1..``args.tp``-1 (:func:`~devgraph.serve.tp.worker.worker_main`), join the process group
     as rank 0, build the step channel; ``args.device`` becomes rank 0's device."""
     from devgraph.serve.tp.worker import worker_main
 
     size, port = int(args.tp), free_port()
+    device = rank_device(args.device, 0)
+    if device is not None and torch.device(device).type == "cuda" and size > torch.cuda.device_count():
+        raise ConfigError(
+            f"--tp {size} needs {size} GPUs, one per rank, but {torch.cuda.device_count()} are visible; "
+            "lower --tp or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; spawn works everywhere
     processes = []
     for rank in range(1, size):
@@ -137,7 +147,7 @@ def start_world(args: argparse.Namespace) -> TPWorld:
         processes.append(process)
     world = TPWorld(processes)
     world._monitor.start()
-    args.device = rank_device(args.device, 0)
+    args.device = device
     logger.info("tensor parallelism over %d ranks: waiting for ranks 1..%d (port %d)", size, size - 1, port)
     init_rank(args.device, 0, size, port)
     world.channel = StepChannel()
