@@ -111,16 +111,17 @@ def build_tokenizer(style: str) -> Any:
 def build_checkpoint(
     directory: Path, family: str, *, seed: int | None = None, std: float = 0.15, **overrides: Any
 ) -> Path:
-    """Save a random-weight ``family`` checkpoint (float32) with its tokenizer under ``directory``."""
+    """Save a random-weight ``family`` checkpoint (float32) with its tokenizer under ``directory``;
+    ``overrides``: config fields (shape, ``vocab_size``) over :data:`SHAPE` and the family's."""
     import transformers
 
     config_class, model_class = (getattr(transformers, name) for name in _CLASSES[family])
     tokenizer = build_tokenizer("chatml" if family.startswith("qwen") else "inst")
     eos = tokenizer.eos_token_id
-    settings = {**SHAPE, **FAMILIES[family], **overrides}
-    config = config_class(
-        vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=tokenizer.bos_token_id, **settings
-    )
+    settings = {"vocab_size": len(tokenizer), **SHAPE, **FAMILIES[family], **overrides}
+    # A larger vocab_size than the tokenizer's (as real checkpoints pad theirs) is allowed: ids past it
+    # are never produced by the tokenizer, only by the model.
+    config = config_class(eos_token_id=eos, bos_token_id=tokenizer.bos_token_id, **settings)
     torch.manual_seed(SEEDS[family] if seed is None else seed)
     model = model_class(config).eval()
     with torch.no_grad():

@@ -159,6 +159,13 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="model dtype (default: the checkpoint's or the preset's)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: the best device present)")
+    parser.add_argument(
+        "--tp",
+        type=_int_in(1, 64),
+        default=1,
+        help="tensor-parallel ranks: the server spawns N-1 worker processes (cuda:0..N-1, NCCL; or CPU "
+        "processes over gloo); a lost rank stops the server (docs/tensor-parallel.md)",
+    )
     parser.add_argument("--attention", choices=ATTENTION_MODES, default=None, help="paged (default) or sdpa")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument(

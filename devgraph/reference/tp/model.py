@@ -47,6 +47,13 @@ def _drawer(seed: int, device: torch.device, exact: bool) -> Draw:
     return draw
 
 
+def _empty(device: torch.device) -> Draw:
+    def draw(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    return draw
+
+
 def _part(total: int, rank: int, size: int) -> slice:
     step = total // size
     return slice(rank * step, (rank + 1) * step)
@@ -70,7 +77,15 @@ class TPDecoderLayer(DecoderLayer):
         self.split_sizes = (q_size, kv_size, kv_size)
         self.fused = fused_kernels(c.kernels, device)
         self.rms_eps = c.rms_eps
-        self.qk_norm = None
+        # Biases start at zero and norm scales at one (as DecoderLayer's): this rank's rows, nothing drawn.
+        local_qkv = q_full // size + 2 * (kv_full // size)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(local_qkv, device=device, dtype=dt), requires_grad=False)
+            if c.qkv_bias
+            else None
+        )
+        heads = self.num_heads + self.num_kv_heads  # this rank's query heads, then its KV heads
+        self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_eps, device=device, dtype=dt) if c.qk_norm else None
         self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
 
@@ -99,9 +114,10 @@ class TPDecoderLayer(DecoderLayer):
     ) -> torch.Tensor:
         n = hidden.shape[0]
         # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
-        qkv = F.linear(self.input_norm(hidden), self.qkv_proj).view(n, -1, self.head_dim)
+        qkv = F.linear(self.input_norm(hidden), self.qkv_proj, self.qkv_bias).view(n, -1, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        qk = qk_norm_rope(qk, None, cos, sin, self.rms_eps, self.fused)
+        scale = None if self.qk_norm is None else self.qk_norm.weight
+        qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         attn = self.comm.all_reduce(F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj))
         normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
@@ -131,6 +147,7 @@ class TPReferenceModel(ReferenceModel):
         *,
         comm: str = "auto",
         exact_weights: bool = True,
+        weights: str = "random",
     ) -> None:
         nn.Module.__init__(self)  # ReferenceModel's own __init__ would draw and keep the full weights
         device = torch.device(device if device is not None else "cpu")
@@ -147,15 +164,10 @@ class TPReferenceModel(ReferenceModel):
                 f"tensor parallelism over {size} ranks needs {', '.join(bad)} divisible by {size}; "
                 "pick a tensor-parallel size that divides them"
             )
-        features = [name for name in ("qkv_bias", "qk_norm") if getattr(config, name)]
-        features += [] if config.tie_embeddings else ["tie_embeddings=False"]
-        if features:
-            raise ConfigError(
-                f"the tensor-parallel reference model does not shard {', '.join(features)}; "
-                "run such a model on one device"
-            )
-        self.lm_head = None
-        draw = _drawer(seed, device, exact_weights)
+        if weights not in ("random", "empty"):
+            raise ConfigError(f"weights={weights!r} is unknown; accepted: random, empty")
+        # "empty": shapes only, every weight filled later (a checkpoint loader slices each rank's part).
+        draw = _drawer(seed, device, exact_weights) if weights == "random" else _empty(device)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
         self.embed = nn.Parameter(embed.to(device=device, dtype=config.dtype), requires_grad=False)
         self.layers = nn.ModuleList(
@@ -165,6 +177,14 @@ class TPReferenceModel(ReferenceModel):
         self.norm = RMSNorm(
             config.hidden_size, config.rms_eps, device=device, dtype=config.dtype, fused=fused
         )
+        # An untied LM head is vocab-parallel too: this rank's rows, drawn last as ReferenceModel draws it.
+        self.lm_head = None
+        if not config.tie_embeddings:
+            head = draw((config.vocab_size, config.hidden_size), config.hidden_size)
+            part = _part(config.vocab_size, self.comm.rank, size)
+            self.lm_head = nn.Parameter(
+                head[part].contiguous().to(device=device, dtype=config.dtype), requires_grad=False
+            )
         cos, sin = decoder_rope_tables(config, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -177,11 +197,17 @@ class TPReferenceModel(ReferenceModel):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel LM head: this rank's vocabulary slice, then an all-gather -> ``[T, vocab]``."""
         size = self.comm.world_size
-        if size == 1:
+        if self.lm_head is not None:  # already this rank's vocabulary slice
+            local = F.linear(hidden, self.lm_head)
+        elif size == 1:
             return F.linear(hidden, self.embed)
+        else:
+            part = self.config.vocab_size // size
+            local = F.linear(hidden, self.embed[self.comm.rank * part : (self.comm.rank + 1) * part])
+        if size == 1:
+            return local
         part = self.config.vocab_size // size
-        rank = self.comm.rank
-        local = F.linear(hidden, self.embed[rank * part : (rank + 1) * part])  # [T, vocab / size]
+        # local: [T, vocab / size]
         gathered = self.comm.all_gather(local)  # [size * T, vocab / size], rank 0's rows first
         return gathered.view(size, -1, part).permute(1, 0, 2).reshape(-1, size * part)
 

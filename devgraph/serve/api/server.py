@@ -5,13 +5,18 @@ may finish for ``--drain-timeout`` seconds, then the rest are aborted (streams e
 ``finish_reason: "abort"``); handlers get :data:`SHUTDOWN_GRACE` more seconds to write their last
 bytes (a client that stopped reading, or one still sending its body, is then cut off); the listener
 closes, graphs are released, and the process exits 0.
+
+With ``--tp N`` (:mod:`devgraph.serve.tp`) the workers are stopped after that; a lost rank ends every
+request in flight with an error, takes the same way out and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -48,14 +53,45 @@ def serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.cpu_threads)
     began = time.perf_counter()
     startup = Startup()
+    world = _start_world(args)
+    try:
+        return _serve(args, began, startup, world)
+    finally:
+        if world is not None:
+            world.stop()
+
+
+def _start_world(args: argparse.Namespace) -> Any:
+    if getattr(args, "tp", 1) <= 1:
+        return None
+    from devgraph.serve.tp import start_world
+
+    return start_world(args)
+
+
+def _serve(args: argparse.Namespace, began: float, startup: Startup, world: Any) -> int:
     source = open_source(args, startup)
-    engine = build_engine(args, source, startup)
+    if world is None:
+        engine = build_engine(args, source, startup)
+    else:
+        from devgraph.serve.tp import TPEngine
+
+        engine = build_engine(
+            args,
+            source,
+            startup,
+            group=world.group,
+            engine_class=functools.partial(TPEngine, channel=world.channel, on_failure=world.step_failed),
+        )
+        world.channel.start_heartbeat()
     start = time.perf_counter()
     engine.warm_up()
     startup.times["warm_up_s"] = time.perf_counter() - start
     logger.info("warm-up requests served in %.1f s", startup.times["warm_up_s"])
     model_name = args.served_model_name or source.name
     loop = EngineLoop(engine)
+    if world is not None:  # a lost rank: answer every request with an error, then stop (exit code 1)
+        world.on_lost = functools.partial(_lost, loop)
     loop.start()
     metrics = (
         ServeMetrics(
@@ -74,10 +110,19 @@ def serve(args: argparse.Namespace) -> int:
         )
     startup.times["ready_s"] = time.perf_counter() - began
     try:
-        return asyncio.run(_run(args, loop, _state(args, loop, source, model_name, metrics, startup)))
+        code = asyncio.run(_run(args, loop, _state(args, loop, source, model_name, metrics, startup)))
     finally:
         loop.shutdown(0.0)
         engine.close()
+    if world is not None and world.failure is not None:
+        print(f"devgraph serve --tp: {world.failure}; exiting (code 1)", file=sys.stderr, flush=True)
+        return 1
+    return code
+
+
+def _lost(loop: EngineLoop, message: str) -> None:
+    loop.fail_all(f"a tensor-parallel rank was lost ({message}); the server is stopping")
+    os.kill(os.getpid(), signal.SIGTERM)  # the same way out as a user's SIGTERM
 
 
 def _state(

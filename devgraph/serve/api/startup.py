@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,11 +113,17 @@ def _batch_limits(
 
 
 def build_engine(
-    args: argparse.Namespace, source: ModelSource | None = None, startup: Startup | None = None
+    args: argparse.Namespace,
+    source: ModelSource | None = None,
+    startup: Startup | None = None,
+    *,
+    group: Any = None,
+    engine_class: Callable[..., Engine] = Engine,
 ) -> Engine:
     """The model and engine the flags describe, graphs captured. Logs each start-up stage (model and KV
     cache, the weights, each graph captured, the capture table) at INFO, so a log shows where start-up
-    is; ``startup`` (if given) gets each stage's seconds."""
+    is; ``startup`` (if given) gets each stage's seconds. ``group``: a tensor-parallel process group (the
+    model is this rank's shard; ``engine_class`` builds rank 0's engine)."""
     startup = startup if startup is not None else Startup()
     device = _device(args)
     defaults = device_defaults(device)
@@ -127,8 +134,10 @@ def build_engine(
         overrides[name] = getattr(args, name, None)
     model_config = source.model_config(overrides)
     # Before allocating (or capturing) anything: the cache must fit the memory and the warm-up.
-    loading = 0 if source.is_preset else weight_bytes(model_config)
-    check_kv_memory(model_config, _free_bytes(device), device, loading)
+    # Under tensor parallelism each rank holds about 1/N of the weights and of the KV cache (its heads).
+    shards = torch.distributed.get_world_size(group) if group is not None else 1
+    loading = 0 if source.is_preset else weight_bytes(model_config) // shards
+    check_kv_memory(model_config, _free_bytes(device), device, loading, shards)
     check_warm_up_fits(model_config)
     _warn_small_cache(model_config)
     engine_config = EngineConfig(
@@ -152,7 +161,7 @@ def build_engine(
     note = auto_fallback_note(model_config.kernels, device)
     if note:
         logger.warning("%s", note)
-    built = source.build(model_config, device, args.seed, getattr(args, "progress", None))
+    built = source.build(model_config, device, args.seed, getattr(args, "progress", None), group)
     startup.times["weights_s"] = built.seconds
     startup.weights = built.how
     logger.info(
@@ -161,13 +170,18 @@ def build_engine(
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
     background = getattr(args, "capture_in_background", False)
+    if background and group is not None:
+        raise ConfigError(
+            "--capture-in-background is not available with --tp: every rank must capture in lock-step "
+            "before serving; leave one of them out"
+        )
     logger.info(
         "%s graphs (--device-graph-mode %s)",
         "serving before the" if background else "capturing",
         graphs.source,
     )
     start = time.perf_counter()
-    engine = Engine(
+    engine = engine_class(
         built.model, engine_config, device_graph_mode=graphs, progress=args.progress, capture=not background
     )
     if background:
@@ -196,14 +210,18 @@ def weight_bytes(config: ReferenceConfig) -> int:
 
 
 def check_kv_memory(
-    config: ReferenceConfig, free_bytes: int | None, device: Any = "the device", loading: int = 0
+    config: ReferenceConfig,
+    free_bytes: int | None,
+    device: Any = "the device",
+    loading: int = 0,
+    shards: int = 1,
 ) -> None:
     """:class:`ConfigError` (one line: the size and the flags that lower it) when the KV cache would take
     more than :data:`KV_MEMORY_SHARE` of ``free_bytes`` less ``loading`` (weights still to load); nothing
     when the free memory is unknown."""
     if free_bytes is None:
         return
-    needed = kv_cache_bytes(config)
+    needed = kv_cache_bytes(config) // shards  # a tensor-parallel rank keeps its KV heads only
     available = free_bytes - loading
     if needed <= KV_MEMORY_SHARE * available:
         return

@@ -90,19 +90,37 @@ class ModelSource:
         return ReferenceConfig(**fields)
 
     def build(
-        self, config: ReferenceConfig, device: torch.device, seed: int, progress: bool | None = None
+        self,
+        config: ReferenceConfig,
+        device: torch.device,
+        seed: int,
+        progress: bool | None = None,
+        group: Any = None,
     ) -> Built:
-        """The model on ``device``: random weights from ``seed`` (preset) or the checkpoint's weights."""
+        """The model on ``device``: random weights from ``seed`` (preset) or the checkpoint's weights.
+        ``group``: a tensor-parallel process group; the model is then this rank's shard of it."""
         start = time.perf_counter()
+        model: ReferenceModel
+        if group is not None:
+            model = _tp_model(config, group, device, seed, "random" if self.files is None else "empty")
         if self.files is None:
-            model = ReferenceModel(config, device=device, seed=seed)
+            if group is None:
+                model = ReferenceModel(config, device=device, seed=seed)
             how = f"random weights (seed {seed})"
         else:
-            model = ReferenceModel(config, device=device, weights="empty")
+            if group is None:
+                model = ReferenceModel(config, device=device, weights="empty")
             report = load_weights(model, self.files, progress)
             how = f"loaded {report.tensors} tensors ({report.bytes / MiB:.1f} MiB) from {self.directory}"
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         return Built(model, time.perf_counter() - start, weights, how)
+
+
+def _tp_model(config: ReferenceConfig, group: Any, device: torch.device, seed: int, weights: str) -> Any:
+    from devgraph.reference.tp import TPReferenceModel  # only a --tp server needs it
+
+    # exact_weights: a preset's shards are drawn as the single-device model draws (equal tokens).
+    return TPReferenceModel(config, group, device, seed, exact_weights=True, weights=weights)
 
 
 def open_model(value: str, chat_template: Path | None = None) -> ModelSource:

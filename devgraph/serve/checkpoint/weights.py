@@ -94,9 +94,13 @@ class _Slot:
 
     target: torch.Tensor
     shape: tuple[int, ...]
+    #: This rank's part of the checkpoint tensor (tensor parallelism); None: all of it.
+    take: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _slots(model: ReferenceModel) -> dict[str, _Slot]:
+    if getattr(model, "comm", None) is not None:  # a TPReferenceModel: each rank loads its slices
+        return _tp_slots(model)
     c = model.config
     q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     slots: dict[str, _Slot] = {}
@@ -126,6 +130,62 @@ def _slots(model: ReferenceModel) -> dict[str, _Slot]:
         put(prefix + "mlp.gate_proj.weight", layer.gate_up_proj.data[:inter])
         put(prefix + "mlp.up_proj.weight", layer.gate_up_proj.data[inter:])
         put(prefix + "mlp.down_proj.weight", layer.down_proj.data)
+    return slots
+
+
+def _tp_slots(model: ReferenceModel) -> dict[str, _Slot]:
+    """Megatron-style slices for one tensor-parallel rank: column-parallel projections (q/k/v, gate/up,
+    an untied LM head) keep this rank's output rows, row-parallel ones (o_proj, down_proj) its input
+    columns; the embedding and the norms are whole. The shape checked is the checkpoint's full one."""
+    c = model.config
+    comm: Any = model.comm
+    rank, size = int(comm.rank), int(comm.world_size)
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    slots: dict[str, _Slot] = {}
+
+    def part(total: int) -> slice:
+        return slice(rank * total // size, (rank + 1) * total // size)
+
+    def rows(total: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda tensor: tensor[part(total)]
+
+    def columns(total: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda tensor: tensor[:, part(total)]
+
+    def put(name: str, target: torch.Tensor, shape: tuple[int, ...], take: Any = None) -> None:
+        slots[name] = _Slot(target, shape, take)
+
+    hidden = c.hidden_size
+    put("model.embed_tokens.weight", model.embed.data, (c.vocab_size, hidden))
+    put("model.norm.weight", model.norm.weight.data, (hidden,))
+    if model.lm_head is not None:
+        put("lm_head.weight", model.lm_head.data, (c.vocab_size, hidden), rows(c.vocab_size))
+    q_local, kv_local, inter_local = q // size, kv // size, inter // size
+    for i, module in enumerate(model.layers):
+        layer = cast(DecoderLayer, module)
+        prefix = f"model.layers.{i}."
+        put(prefix + "input_layernorm.weight", layer.input_norm.weight.data, (hidden,))
+        put(prefix + "post_attention_layernorm.weight", layer.post_attention_norm.weight.data, (hidden,))
+        local = {"q_proj": slice(0, q_local), "k_proj": slice(q_local, q_local + kv_local)}
+        local["v_proj"] = slice(q_local + kv_local, q_local + 2 * kv_local)
+        for name, full in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            put(
+                f"{prefix}self_attn.{name}.weight",
+                layer.qkv_proj.data[local[name]],
+                (full, hidden),
+                rows(full),
+            )
+            if layer.qkv_bias is not None:
+                put(f"{prefix}self_attn.{name}.bias", layer.qkv_bias.data[local[name]], (full,), rows(full))
+        if layer.qk_norm is not None:  # one [head_dim] scale fills every row of this rank's heads
+            scale, heads = layer.qk_norm.weight.data, c.num_heads // size
+            put(prefix + "self_attn.q_norm.weight", scale[:heads], (c.head_dim,))
+            put(prefix + "self_attn.k_norm.weight", scale[heads:], (c.head_dim,))
+        put(prefix + "self_attn.o_proj.weight", layer.o_proj.data, (hidden, q), columns(q))
+        gate_up = layer.gate_up_proj.data
+        put(prefix + "mlp.gate_proj.weight", gate_up[:inter_local], (inter, hidden), rows(inter))
+        put(prefix + "mlp.up_proj.weight", gate_up[inter_local:], (inter, hidden), rows(inter))
+        put(prefix + "mlp.down_proj.weight", layer.down_proj.data, (hidden, inter), columns(inter))
     return slots
 
 
@@ -166,6 +226,8 @@ def load_weights(model: ReferenceModel, files: WeightFiles, progress: bool | Non
                     f"{files.directory / files.where[name]}: tensor {name} has shape {tuple(tensor.shape)}, "
                     f"the config implies {slot.shape}"
                 )
+            if slot.take is not None:
+                tensor = slot.take(tensor)
             slot.target.copy_(tensor.expand_as(slot.target))
             size = slot.target.numel() * slot.target.element_size()
             done += size

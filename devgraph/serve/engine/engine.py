@@ -89,6 +89,9 @@ class Engine:
         pinned = self.config.deterministic
         decode_sizes: dict[str, Any] = {"sizes": [running]} if pinned else {"max_size": running}
         prefill_sizes: dict[str, Any] = {"sizes": [budget]} if pinned else {"max_size": budget}
+        group = getattr(model, "group", None)  # tensor parallel: capture handshake, per-step key check
+        if group is not None:
+            decode_sizes["process_group"] = prefill_sizes["process_group"] = group
         self.decode_runner: GraphRunner = decode_runner(
             model, config=graphs, progress=progress, **decode_sizes
         )
@@ -245,7 +248,6 @@ class Engine:
             batch = decode_batch(
                 [e[0] for e in entries], self.tables, block_size, device, pad_to=pad, **common
             )
-            logits = self.decode_runner.run(context=batch.context, **batch.inputs)
         else:
             budget, running = self.config.token_budget, self.config.max_running_requests
             batch = prefill_batch(
@@ -257,10 +259,16 @@ class Engine:
                 pad_requests=running if pinned else None,
                 **common,
             )
-            logits = self.prefill_runner.run(context=batch.context, **batch.inputs)
+        logits = self.forward(kind, batch)
         self.step_counts[kind] += 1
         self.engine_padding += batch.engine_padding
         return self._advance(batch, logits)
+
+    def forward(self, kind: str, batch: StepBatch) -> torch.Tensor:
+        """The step's logits: ``decode`` through the decode runner, ``prefill``/``mixed`` through the
+        prefill runner. A tensor-parallel engine sends the batch to the other ranks first."""
+        runner = self.decode_runner if kind == "decode" else self.prefill_runner
+        return runner.run(context=batch.context, **batch.inputs)
 
     def _advance(self, batch: StepBatch, logits: torch.Tensor) -> list[RequestOutput]:
         rows = [i for i, s in enumerate(batch.samples) if s]

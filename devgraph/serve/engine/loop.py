@@ -83,6 +83,20 @@ class EngineLoop:
         stats["queued"] = len(self._adds)
         return stats
 
+    def fail_all(self, error: str) -> None:
+        """Take no more requests and end every one in flight with ``finish_reason`` error (500), from any
+        thread, without waiting for the engine thread (a lost tensor-parallel rank may hold it)."""
+        with self._cond:
+            self._closing = True
+            sinks = {request_id: sink for request_id, *_, sink in self._adds}
+            sinks.update(self._sinks)
+            self._adds, self._sinks = [], {}
+        for request_id, sink in sinks.items():
+            try:
+                sink(RequestOutput(request_id, [], True, FinishReason.ERROR, error=error))
+            except Exception:
+                logger.exception("output sink for %s failed", request_id)
+
     def shutdown(self, drain_seconds: float = 0.0) -> None:
         """Stop taking requests; let in-flight ones finish for up to ``drain_seconds``, abort the rest,
         stop the thread."""

@@ -1,0 +1,76 @@
+"""A tensor-parallel rank other than 0: build the same engine (its shard), then run every step rank 0 sends.
+
+The worker builds the engine with the same flags, so its runners capture the same graphs in lock-step
+with rank 0 (the runners' capture handshake). Then it loops: a step message becomes the same forward on
+this rank's shard; a heartbeat is ignored; the stop message, or rank 0 gone (:class:`RankLost`), ends it.
+SIGINT is ignored: a terminal's Ctrl-C reaches every process of the group, and rank 0 stops the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import torch
+
+from devgraph.serve.engine.batch import StepBatch
+from devgraph.serve.engine.engine import Engine
+from devgraph.serve.tp.channel import IDLE, STOP, RankLost, StepChannel
+
+__all__ = ["serve_steps", "worker_main"]
+
+logger = logging.getLogger(__name__)
+
+
+def serve_steps(engine: Engine, channel: StepChannel) -> int:
+    """Run rank 0's steps until the stop (0) or until rank 0 is gone (1)."""
+    device = engine.model.device
+    while True:
+        try:
+            message = channel.receive()
+        except RankLost as exc:
+            logger.error("rank 0 is gone: %s; this worker exits", exc)
+            return 1
+        if message == IDLE:
+            continue
+        if message == STOP:
+            return 0
+        _, kind, inputs, context = message
+        batch = StepBatch({k: v.to(device) for k, v in inputs.items()}, context, [], [], [])
+        try:
+            engine.forward(kind, batch)
+        except Exception:
+            logger.exception("a %s step failed on this rank; this worker exits", kind)
+            return 1
+
+
+def worker_main(args: argparse.Namespace, rank: int, size: int, port: int) -> None:
+    """The entry point of rank ``rank`` (a spawned process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Rank 0 logs every start-up stage; a worker's own lines would repeat them, so it logs problems only
+    # (everything with --log-level debug), and draws no progress bars.
+    level = "DEBUG" if args.log_level == "debug" else "WARNING"
+    logging.basicConfig(level=level, format=f"%(asctime)s rank {rank} %(name)s %(levelname)s %(message)s")
+    args.progress = False
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    from devgraph.ranks import destroy_process_group
+    from devgraph.serve.api.startup import build_engine, open_source
+    from devgraph.serve.tp.rank import init_rank
+
+    code = 1
+    try:
+        init_rank(args.device, rank, size, port)
+        channel = StepChannel()
+        engine = build_engine(args, open_source(args), group=torch.distributed.group.WORLD)
+        try:
+            code = serve_steps(engine, channel)
+        finally:
+            if code == 0:
+                engine.close()
+                destroy_process_group()
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+    sys.exit(code)

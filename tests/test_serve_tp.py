@@ -1,0 +1,201 @@
+"""``devgraph serve --tp 2`` as a subprocess on tiny local checkpoints (Llama: untied, vocab-parallel LM
+head, GQA; Qwen3: per-head q/k norms sliced per rank, against transformers' own greedy tokens): on the CPU two
+processes over gloo, graphs simulated; ``multi_gpu``: two GPUs over NCCL.
+
+Its greedy tokens equal the single-process server's for prompts sent together (deterministic mode, so a
+request's tokens do not depend on its batch); SIGTERM stops rank 0 and its worker; a killed worker makes
+the in-flight request end with an error and the server exit 1 with a message naming the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import ServerProcess
+
+pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp")
+pytest.importorskip("transformers", reason="the test checkpoint is written with transformers")
+pytestmark = pytest.mark.timeout(180)
+
+COMMON = ["--cpu-threads", "1", "--max-running-requests", "4", "--token-budget", "32", "--deterministic"]
+# The third prompt is longer than the 32-token step: a chunked prefill crosses ranks too.
+PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [7] * 40, [300, 5, 17, 42, 99, 100]]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """Checkpoints written on first use, per family."""
+    from checkpoints import build_checkpoint
+
+    root, built = tmp_path_factory.mktemp("tp"), {}
+
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, family: str) -> Path:
+            built[family] = build_checkpoint(root / family, family)
+            return built[family]
+
+    yield Lazy()
+
+
+def _greedy(server: ServerProcess, prompts: list[list[int]]) -> list[list[int]]:
+    def one(prompt: list[int]) -> list[int]:
+        status, body = server.post({"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+        assert status == 200, body
+        return list(body["choices"][0]["token_ids"])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # together: batched steps on both servers
+        return list(pool.map(one, prompts))
+
+
+def _workers(pid: int) -> list[int]:
+    """The spawned worker processes among ``pid``'s children (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = []
+    for child in children:
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            found.append(int(child))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+@pytest.fixture
+def servers(
+    checkpoint_dirs: dict[str, Path], request: pytest.FixtureRequest
+) -> Iterator[dict[str, ServerProcess]]:
+    device, family = request.param
+    flags = ["--model", str(checkpoint_dirs[family]), "--device", device, *COMMON]
+    started: dict[str, ServerProcess] = {}
+    try:
+        started["single"] = ServerProcess(*flags)
+        started["tp"] = ServerProcess(*flags, "--tp", "2")
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def _check_equal_then_stop(servers: dict[str, ServerProcess]) -> None:
+    single, tp = servers["single"], servers["tp"]
+    expected = _greedy(single, PROMPTS)
+    assert all(len(tokens) == NEW_TOKENS for tokens in expected)
+    assert _greedy(tp, PROMPTS) == expected
+    workers = _workers(tp.proc.pid)
+    assert len(workers) == 1
+    assert tp.stop() == 0
+    assert all(_gone(pid) for pid in workers), "SIGTERM on rank 0 left a worker running"
+
+
+@pytest.mark.parametrize("servers", [("cpu", "llama")], indirect=True, ids=["llama"])
+def test_tp2_greedy_tokens_equal_the_single_process_server(servers: dict[str, ServerProcess]) -> None:
+    _check_equal_then_stop(servers)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize(
+    "servers", [("cuda", "llama"), ("cuda", "qwen3")], indirect=True, ids=["llama", "qwen3"]
+)
+def test_tp2_on_two_gpus_greedy_tokens_equal_one_gpu(servers: dict[str, ServerProcess]) -> None:
+    _check_equal_then_stop(servers)
+
+
+def _stream_until_end(server: ServerProcess, started: list[float]) -> dict[str, Any]:
+    """A long streamed request; returns its HTTP status, the error event (if any) and the tokens."""
+    import urllib.request
+
+    payload = {"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = json.dumps(payload).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST")
+    result: dict[str, Any] = {"tokens": 0, "error": None}
+    with urllib.request.urlopen(req, timeout=60) as response:
+        result["status"] = response.status
+        for raw in response:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                result["error"] = event["error"]
+                break
+            result["tokens"] += 1
+            if not started:
+                started.append(time.monotonic())
+    return result
+
+
+def test_qwen3_under_tp2_equals_transformers_then_a_killed_worker_stops_it(
+    checkpoint_dirs: dict[str, Path],
+) -> None:
+    """Qwen3 (per-head q/k norms sliced per rank, tied head): greedy tokens equal transformers' own, then
+    the worker is killed mid-stream: the request ends with an error naming the rank, the server exits 1."""
+    from checkpoints import hf_greedy
+
+    directory = checkpoint_dirs["qwen3"]
+    server = ServerProcess("--model", str(directory), "--device", "cpu", *COMMON, "--tp", "2")
+    try:
+        expected = [greedy.tokens for greedy in hf_greedy(directory, PROMPTS[:2], NEW_TOKENS)]
+        assert _greedy(server, PROMPTS[:2]) == expected
+        (worker,) = _workers(server.proc.pid)
+        started: list[float] = []
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_until_end, server, started)
+            while not started and not stream.done():
+                time.sleep(0.01)
+            os.kill(worker, signal.SIGKILL)
+            result = stream.result(timeout=60)
+        assert result["status"] == 200  # the stream had begun; its last event is the error
+        assert result["error"] is not None, result
+        assert "tensor-parallel rank" in result["error"]["message"]
+        assert result["tokens"] < 200
+        code = server.proc.wait(timeout=60)
+        assert code == 1
+        log = "".join(server.stderr)
+        assert "tensor-parallel rank 1" in log and "exiting (code 1)" in log
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow  # ~15 s: it waits out a short rank timeout twice (idle, then stuck)
+def test_heartbeats_keep_an_idle_server_and_a_stuck_worker_times_out(
+    checkpoint_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEVGRAPH_RANK_TIMEOUT_S=3: idle for longer than that, the server still answers (rank 0's heartbeats);
+    a worker stopped with SIGSTOP (alive, not answering) fails the next request with a 500 naming the
+    timeout, and the server exits 1 and takes the stuck worker with it."""
+    monkeypatch.setenv("DEVGRAPH_RANK_TIMEOUT_S", "3")
+    server = ServerProcess("--model", str(checkpoint_dirs["llama"]), "--device", "cpu", *COMMON, "--tp", "2")
+    try:
+        (worker,) = _workers(server.proc.pid)
+        time.sleep(7)
+        assert server.post({"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0})[0] == 200
+        os.kill(worker, signal.SIGSTOP)
+        status, body = server.post({"prompt": [1, 2, 3], "max_tokens": 30, "temperature": 0})
+        assert status == 500, body
+        message = body["error"]["message"]
+        assert "tensor-parallel rank was lost" in message and "DEVGRAPH_RANK_TIMEOUT_S=3" in message
+        assert server.proc.wait(timeout=60) == 1
+        deadline = time.monotonic() + 10
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker), "the stuck worker outlived rank 0"
+    finally:
+        server.stop()
