@@ -9,7 +9,8 @@
 #      fallback graph set under TP; data-parallel key agreement) plus the TP equivalence test
 #   2. bench_tp.py: eager / hand-written graph / `full` / compiled `full` at batch 1, 8, 32, 64
 #   3. bench_dp_agree.py --device cuda: the cost of one agreement per step next to a bare all-reduce
-#   4. benchmarks/serve_tp_check.py when present: `devgraph serve --tp 2` against the single-GPU server
+#   4. benchmarks/serve_tp_check.py: `devgraph serve --tp 2` against the single-GPU server (greedy tokens,
+#      latency under load), then a worker killed
 # Writes at most 8 files under OUT (the device tool brings back no more): two-gpu.log, tp-tests.json,
 # dp-tests.json, tp.json, tp.png, dp-agree.json, serve-tp.json.
 set -u
@@ -37,12 +38,10 @@ step() {  # step NAME SECONDS COMMAND...
 } >>"$LOG" 2>&1
 
 DEVGRAPH_TP_RESULTS="$OUT/tp-tests.json" DEVGRAPH_DP_RESULTS="$OUT/dp-tests.json" \
-    step multi_gpu_tests 240 $PY -m pytest -q -p no:cacheprovider -m multi_gpu -rfs \
+    step multi_gpu_tests 200 $PY -m pytest -q -p no:cacheprovider -m multi_gpu -rfs \
     tests/test_tp.py tests/test_dp.py -k "compiled or fallback or dp or different_batches or replays_equal"
-step bench_tp 200 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --presets qwen3-0.6b \
-    --time-budget 170 --out "$OUT/tp.json"
-step bench_dp_agree 60 $PY benchmarks/bench_dp_agree.py --device cuda --out "$OUT/dp-agree.json"
-if [ -f benchmarks/serve_tp_check.py ]; then
-    step serve_tp_check 240 $PY benchmarks/serve_tp_check.py --out "$OUT/serve-tp.json"
-fi
+step bench_tp 150 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --presets qwen3-0.6b \
+    --time-budget 130 --out "$OUT/tp.json"
+step bench_dp_agree 40 $PY benchmarks/bench_dp_agree.py --device cuda --out "$OUT/dp-agree.json"
+step serve_tp_check 180 $PY benchmarks/serve_tp_check.py --out "$OUT/serve-tp.json" --time-budget 165
 echo "done $(date -u +%T)" | tee -a "$LOG"
