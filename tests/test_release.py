@@ -4,6 +4,8 @@ again, and outputs are bitwise those of before (CPU simulated graphs)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -35,6 +37,7 @@ def outputs(runner: GraphRunner) -> list[torch.Tensor]:
 
 def test_release_frees_every_graph_and_restore_gives_identical_outputs():
     runner = make()
+    gc.collect()  # pools of earlier tests' runners go now, not while this test measures
     base = reserved_bytes()
     runner.capture()
     held = reserved_bytes() - base

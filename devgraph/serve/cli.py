@@ -200,6 +200,12 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "captured one key between two steps; /health shows the progress",
     )
     parser.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="POST /sleep (level 1: free the graphs and the KV cache of an idle server; the weights stay), "
+        "POST /wake_up, GET /is_sleeping; requests while asleep get 503",
+    )
+    parser.add_argument(
         "--no-mixed-steps", action="store_true", help="run decodes and prefill chunks in separate steps"
     )
     parser.add_argument("--seed", type=_int_in(0, (1 << 63) - 1), default=0, help="weight seed (default 0)")
