@@ -267,8 +267,8 @@ class GraphRunner:
         with self._lock:
             return memory.graph_memory(self)
 
-    def estimate_graph_memory(self, *, probes: int = 3) -> memory.GraphMemoryEstimate:
-        """Before :meth:`capture`: the bytes every configured key's graph will hold, from ``probes`` keys
+    def estimate_graph_memory(self, *, probes: int = 4) -> memory.GraphMemoryEstimate:
+        """Before :meth:`capture`: the bytes every configured key's graph will hold, from ``probes`` keys (the largest, the next, one between, the smallest)
         captured into a throw-away pool (then released) and a piecewise-linear fit of the rest. Call it
         before allocating the KV cache (see docs/user-guide.md, "Start-up and memory")."""
         with self._lock:

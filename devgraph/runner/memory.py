@@ -91,7 +91,8 @@ def graph_memory(runner: GraphRunner) -> GraphMemory:
 
 def probe_keys(keys: Sequence[GraphKey], probes: int) -> list[GraphKey]:
     """The keys to capture for an estimate, largest first: the largest and ``probes - 1`` more spread
-    evenly over the rest by position (the smallest always among them)."""
+    evenly over the rest by position, from the next largest to the smallest: the fit interpolates between measured
+    points and never extrapolates past them."""
     ordered = sorted(keys, key=GraphKey.sort_key, reverse=True)
     if len(ordered) <= probes:
         return ordered
@@ -114,7 +115,7 @@ def fit_bytes(points: Mapping[int, int], tokens: int) -> int:
     return max(0, round(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)))
 
 
-def estimate(runner: GraphRunner, probes: int = 3) -> GraphMemoryEstimate:
+def estimate(runner: GraphRunner, probes: int = 4) -> GraphMemoryEstimate:
     """Capture ``probes`` keys into a throw-away pool, measure, release them all, fit every other key.
 
     The runner must not have captured yet (after capture, :func:`graph_memory` gives the exact bytes).
