@@ -91,8 +91,8 @@ def graph_memory(runner: GraphRunner) -> GraphMemory:
 
 def probe_keys(keys: Sequence[GraphKey], probes: int) -> list[GraphKey]:
     """The keys to capture for an estimate, largest first: the largest and ``probes - 1`` more spread
-    evenly over the rest by position, from the next largest to the smallest: the fit interpolates between measured
-    points and never extrapolates past them."""
+    evenly over the rest by position, from the next largest to the smallest, so the fit interpolates
+    between measured points and never extrapolates past them."""
     ordered = sorted(keys, key=GraphKey.sort_key, reverse=True)
     if len(ordered) <= probes:
         return ordered
