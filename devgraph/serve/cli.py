@@ -56,6 +56,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """A finite number of seconds >= 0."""
     try:
@@ -198,6 +208,13 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="answer from the moment the weights are loaded: steps run eagerly while the graphs are "
         "captured one key between two steps; /health shows the progress",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        help="size the KV cache to this share of the device's memory, less what is in use and the graphs' "
+        "memory estimated before capture (instead of --num-blocks)",
     )
     parser.add_argument(
         "--enable-sleep-mode",

@@ -8,6 +8,7 @@ from one thread (:class:`~devgraph.serve.engine.loop.EngineLoop` runs it in a th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -124,6 +125,34 @@ class Engine:
         if self.background is None:
             self.background = BackgroundCapture([self.decode_runner, self.prefill_runner])
         return self.background
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache at ``num_blocks`` blocks instead (``--gpu-memory-utilization`` sizes it
+        after the graphs' estimate); only before any graph is captured and with no request in the engine."""
+        if (
+            self.has_work
+            or self.decode_runner.keys
+            or self.prefill_runner.keys
+            or self.background is not None
+        ):
+            raise ConfigError(
+                "resize the KV cache before capturing graphs and before adding requests: the graphs read "
+                "the cache's addresses"
+            )
+        free_kv_cache(self.model)
+        self.model.config = dataclasses.replace(self.model.config, num_blocks=num_blocks)
+        self.model_config = self.model.config
+        shape = self.model.config
+        allocate_kv_cache(
+            self.model,
+            KvCacheShape(
+                (shape.total_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+                shape.dtype,
+                self.model.device,
+                shape.num_layers,
+            ),
+        )
+        self.allocator = self.scheduler.allocator = BlockAllocator(shape.total_blocks)
 
     # -- sleep mode ----------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> dict[str, Any]:
