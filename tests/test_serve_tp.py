@@ -199,3 +199,13 @@ def test_heartbeats_keep_an_idle_server_and_a_stuck_worker_times_out(
         assert _gone(worker), "the stuck worker outlived rank 0"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "flag", [["--enable-sleep-mode"], ["--capture-in-background"], ["--gpu-memory-utilization", "0.5"]]
+)
+def test_flags_that_act_on_rank_0_alone_are_refused_before_any_rank_starts(flag, capsys) -> None:
+    from devgraph.cli.main import main
+
+    assert main(["serve", "--model", "tiny", "--tp", "2", *flag]) == 2
+    assert f"{flag[0]} is not available with --tp yet" in capsys.readouterr().err

@@ -76,6 +76,7 @@ def test_scripted_steps_give_exact_counts():
         "variant_not_captured": 1,
         "not_captured": 0,
         "capturing": 0,
+        "released": 0,
         "backend_declined": 1,
         "peer_eager": 0,
     }

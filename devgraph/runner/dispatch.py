@@ -30,6 +30,7 @@ class EagerReason(Word):
     VARIANT_NOT_CAPTURED = "variant_not_captured"  # a variant value that was not declared for capture
     NOT_CAPTURED = "not_captured"  # the key exists in the schedule but holds no graph
     CAPTURING = "capturing"  # capture in the background: the key's graph is not captured yet
+    RELEASED = "released"  # release() gave the graphs' memory back; restore() captures them again
     BACKEND_DECLINED = "backend_declined"  # backend.can_run() said no for this step
     PEER_EAGER = "peer_eager"  # data parallel: another rank of the group runs this step eagerly
 

@@ -27,7 +27,7 @@ from devgraph.flag.factory import ResolvedPhase
 from devgraph.flag.trace import PhaseSteps
 from devgraph.messages import shorten
 from devgraph.ranks import assert_same_key, release_backend
-from devgraph.runner import lifecycle
+from devgraph.runner import lifecycle, memory
 from devgraph.runner.capture.graphs import RunnerGraphs
 from devgraph.runner.capture.loop import CaptureReport
 from devgraph.runner.capture.pool import GraphPool
@@ -144,6 +144,7 @@ class GraphRunner:
         self._stats = RunnerStats(recorded=Counter() if record_steps else None)
         self._lock = contextlib.nullcontext() if plan.single_thread else threading.RLock()
         self._closed = self._captured = False
+        self._released: lifecycle.Released | None = None
         self.report: CaptureReport | None = None
         self.pool: GraphPool | None = None
         self._steps: Stepper
@@ -239,6 +240,41 @@ class GraphRunner:
             self._check_open()
             lifecycle.release_all(self)
             return self.capture()
+
+    def release(self) -> lifecycle.Released:
+        """Free every graph and the graph pool (the bytes go back to the device); steps run eagerly,
+        counted as ``released`` in :meth:`stats`, until :meth:`restore`. Compiled artifacts stay in memory.
+        Refused during a background capture. Returns the keys released and the bytes they held. See
+        docs/user-guide.md, "Start-up and memory"."""
+        with self._lock:
+            self._check_open()
+            return lifecycle.release(self)
+
+    def restore(self) -> CaptureReport:
+        """Capture again the keys :meth:`release` freed, reusing the compiled forward (nothing is compiled
+        again); outputs are those of before the release. A no-op when not released."""
+        with self._lock:
+            self._check_open()
+            return lifecycle.restore(self)
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` freed the graphs and :meth:`restore` has not captured them again."""
+        return self._released is not None
+
+    def graph_memory(self) -> memory.GraphMemory:
+        """Exact bytes the captured graphs hold, per key (each key's pool growth while captured)."""
+        with self._lock:
+            return memory.graph_memory(self)
+
+    def estimate_graph_memory(self, *, probes: int = 4) -> memory.GraphMemoryEstimate:
+        """Before :meth:`capture`: the bytes every configured key's graph will hold, from ``probes`` keys
+        (the largest, the next, ones between, the smallest) captured into a throw-away pool (then released)
+        and a piecewise-linear fit of the rest. Call it before allocating the KV cache (see
+        docs/user-guide.md, "Start-up and memory")."""
+        with self._lock:
+            self._check_open()
+            return memory.estimate(self, probes)
 
     def check_addresses(self) -> None:
         """Check every tensor the graphs use, not only what an event reported (see the user guide)."""
@@ -352,7 +388,13 @@ class GraphRunner:
     def stats(self) -> dict[str, Any]:
         """Run-time counters as plain data: replays per key, eager steps by reason, padding waste."""
         with self._lock:
-            return {"phase": self.phase, "backend": self.backend.name, **self._stats.as_dict()}
+            return {
+                "phase": self.phase,
+                "backend": self.backend.name,
+                **self._stats.as_dict(),
+                "released": self._released is not None,
+                "graph_memory": memory.graph_memory(self).as_dict(),
+            }
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -363,7 +405,8 @@ class GraphRunner:
         with self._lock:
             captured = self.report is not None
             info = describe_runner(self.plan, self.backend, self._graphs.reports, self._layout, captured)
-            return {**info, **lifecycle.describe_extras(self)}
+            graph_memory = memory.graph_memory(self).as_dict()
+            return {**info, **lifecycle.describe_extras(self), "graph_memory": graph_memory}
 
     # -- teardown -----------------------------------------------------------------------------------
     def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,7 +40,9 @@ __all__ = [
     "describe_extras",
     "let_go",
     "recorded_steps",
+    "release",
     "release_all",
+    "restore",
     "retune",
     "start_up",
 ]
@@ -64,6 +67,7 @@ def assemble(
         # Each set wraps the plain forward its own way (a compiling strategy compiles it).
         sets.append(RunnerGraphs(plan, owned, runner.forward, runner._buffers, runner._layout, runner._stats))
     runner._graphs = sets[0]
+    runner._released = None  # what release() set aside for restore()
     runner._background = None  # keys a background capture has still to capture (capture/pending.py)
     runner._sets = GraphSets(*sets)
     steps = runner._steps = Stepper(
@@ -152,6 +156,69 @@ def release_all(runner: GraphRunner) -> None:
     runner.report = None
     if runner._steps.guard is not None:
         runner._steps.guard.disarm()
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    """What ``release()`` set aside: the keys that held graphs (``restore()`` captures them again), whether
+    the runner had captured, and the bytes the capture reports attributed to those graphs."""
+
+    keys: tuple[GraphKey, ...]
+    captured: bool
+    graph_bytes: int
+
+
+def release(runner: GraphRunner) -> Released:
+    """Free every graph and its pool's memory (``release()``); steps run eagerly as ``released`` until
+    :func:`restore`. The compiled forward (a compiling strategy's) stays, so restoring compiles nothing."""
+    plan = runner.plan
+    if runner._background is not None:
+        raise ConfigError(
+            f"the {plan.phase} runner is capturing its keys in the background; release() after it is done "
+            "(BackgroundCapture.finish() captures the rest now, BackgroundCapture.stop() then "
+            "refresh()/close() abandons them)"
+        )
+    if runner._released is not None:
+        return runner._released  # already released: nothing more to free
+    keys = tuple(sorted(runner._graphs.backend.captured_keys(), key=GraphKey.sort_key))
+    held = sum(r.bytes for r in runner._graphs.reports.values())
+    released = Released(keys, runner._captured, held)
+    release_all(runner)  # every set's backend.cleanup(): graphs, the backend's pool, then empty_cache
+    plan.platform.empty_cache()  # a fallback set's or a shared pool's blocks too, now unused
+    runner._released = released
+    runner._steps.released = True
+    logger.info("devgraph: %s: released %d graph(s), %.1f MiB", plan.phase, len(keys), held / 2**20)
+    return released
+
+
+def restore(runner: GraphRunner) -> CaptureReport:
+    """Capture again what :func:`release` freed, on the forward already wrapped (compiled) before."""
+    released: Released | None = runner._released
+    if released is None:
+        return runner.report or runner._graphs.empty_report()
+    runner._released = None
+    runner._steps.released = False
+    if not released.captured:
+        return runner._graphs.empty_report()  # released before capture(): as it was then
+    if not runner.plan.capture.lazy:
+        runner.report = start_up(runner)
+        runner._captured = True
+        return runner.report
+    # A lazily capturing runner: the keys it held when released, now, into graph pools of their own.
+    arm_guard(runner)
+    graphs = runner._graphs
+    report = graphs.empty_report()
+    if released.keys:
+        runner.backend.prepare(runner.plan.inputs, ())
+        start = time.perf_counter()
+        with runner.pool.capturing() if runner.pool is not None else contextlib.nullcontext():
+            report.keys = runner._sets.capture_now(released.keys)
+        report.seconds = time.perf_counter() - start
+        runner._sets.adopt_captured()
+    runner._sets.primary.observe = None
+    runner.report = report
+    runner._captured = True
+    return report
 
 
 def retune(runner: GraphRunner, sizes: Sequence[int], *, lazy: bool) -> list[GraphKey]:

@@ -90,6 +90,8 @@ class Stepper:
         #: Keys are being captured in the background (devgraph.runner.capture.background): route steps as
         #: if captured; a key without its graph yet runs eagerly, counted as ``capturing``.
         self.capturing = False
+        #: ``release()`` freed the graphs: every step runs eagerly, as ``released``, until ``restore()``.
+        self.released = False
         self._group: GroupAgreement | None = (
             None  # the data-parallel group's agreement, resolved at first use
         )
@@ -114,6 +116,8 @@ class Stepper:
         """The decision for ``counts`` given the graph sets' state; with ``step``, the backends' vetoes
         judge ``step`` padded to the key."""
         primary, fallback = self.sets.primary, self.sets.fallback
+        if self.released and primary.backend.uses_graphs:
+            return Decision(None, EagerReason.RELEASED)
         can_run = second = None
         if step is not None and self._veto:
             backend = primary.backend

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from devgraph.console import OneLineParser, run_command
+from devgraph.errors import ConfigError
 from devgraph.extras import require_extra
 from devgraph.flag.config import add_device_graph_args
 from devgraph.flag.tuning import apply_tuned
@@ -53,6 +54,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{shorten(text)} is not a number") from None
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{shorten(text)} must be a finite number > 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value
 
 
@@ -207,6 +218,19 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "captured one key between two steps; /health shows the progress",
     )
     parser.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        help="size the KV cache to this share of the device's memory, less what is in use and the graphs' "
+        "memory estimated before capture (instead of --num-blocks)",
+    )
+    parser.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="POST /sleep (level 1: free the graphs and the KV cache of an idle server; the weights stay), "
+        "POST /wake_up, GET /is_sleeping; requests while asleep get 503",
+    )
+    parser.add_argument(
         "--no-mixed-steps", action="store_true", help="run decodes and prefill chunks in separate steps"
     )
     parser.add_argument("--seed", type=_int_in(0, (1 << 63) - 1), default=0, help="weight seed (default 0)")
@@ -300,6 +324,14 @@ def run_serve(args: argparse.Namespace) -> int:
     require_extra("aiohttp", extra="serve", needed_by="this command")  # before minutes of start-up
     from devgraph.serve.api.server import serve
 
+    if (args.tp or 1) > 1:  # before any rank is spawned: these act on rank 0 alone today
+        for flag, given in (
+            ("--gpu-memory-utilization", args.gpu_memory_utilization is not None),
+            ("--enable-sleep-mode", args.enable_sleep_mode),
+            ("--capture-in-background", args.capture_in_background),
+        ):
+            if given:
+                raise ConfigError(f"{flag} is not available with --tp yet; leave one of them out")
     if getattr(args, "tuned", None):
         args.device_graph_mode = apply_tuned(args.device_graph_mode, args.tuned)
     return serve(args)

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent events with
 ``"stream": true``), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``
-(Prometheus text) and ``GET /v1/engine/stats`` (the engine's counters and the start-up times as JSON).
+(Prometheus text) and ``GET /v1/engine/stats`` (the engine's counters and the start-up times as JSON);
+with ``--enable-sleep-mode``, ``POST /sleep`` (``?level=1``), ``POST /wake_up`` and ``GET /is_sleeping``.
 Handlers never block the event loop: the engine steps in its own thread
 (:class:`~devgraph.serve.engine.EngineLoop`) and hands tokens back through ``call_soon_threadsafe``;
 reading the engine's stats waits for the current step, so it runs in an executor thread. How one
@@ -26,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from devgraph.errors import InputError
+from devgraph.errors import ConfigError, InputError
 from devgraph.extras import install_hint
 from devgraph.messages import shorten
 from devgraph.serve.api.chat import parse_chat
@@ -37,7 +38,7 @@ from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import ApiError, ModelCard, error_body, model_list, model_object
 from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
 from devgraph.serve.checkpoint.text import Tokenizer
-from devgraph.serve.engine.loop import EngineClosed, EngineLoop
+from devgraph.serve.engine.loop import EngineAsleep, EngineClosed, EngineLoop
 from devgraph.serve.engine.request import RequestOutput
 
 __all__ = ["ServerState", "build_app", "json_errors"]
@@ -63,6 +64,7 @@ class ServerState:
     draining: bool = False
     body_timeout: float = 30.0  # seconds a request body may take to arrive (--body-timeout)
     outbox: Outbox | None = None  # made on the event loop by the first request
+    sleep_mode: bool = False  # --enable-sleep-mode: POST /sleep, POST /wake_up, GET /is_sleeping
     created: int = field(default_factory=lambda: int(time.time()))
 
     def card(self) -> ModelCard:
@@ -130,13 +132,55 @@ def build_app(state: ServerState) -> web.Application:
             web.get("/v1/engine/stats", _stats),
         ]
     )
+    if state.sleep_mode:
+        app.add_routes(
+            [
+                web.post("/sleep", _sleep),
+                web.post("/wake_up", _wake_up),
+                web.get("/is_sleeping", _is_sleeping),
+            ]
+        )
     return app
+
+
+async def _sleep(request: web.Request) -> web.Response:
+    """Free the graphs and the KV cache of an idle engine (level 1; the weights stay)."""
+    state = request.app[STATE]
+    text = request.query.get("level", "1")
+    try:
+        level = int(text)
+    except ValueError:
+        return _error(ApiError(400, f"level must be an integer, got {shorten(text)}", param="level"))
+    try:
+        freed = await asyncio.get_running_loop().run_in_executor(None, state.engine.sleep, level)
+    except ConfigError as exc:
+        status = 400 if "level" in str(exc) else 409
+        return _error(ApiError(status, str(exc), param="level" if status == 400 else None))
+    return web.json_response({"is_sleeping": True, **freed})
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    """Allocate the KV cache again, then capture the graphs again; requests are taken once it returns."""
+    state = request.app[STATE]
+    took = await asyncio.get_running_loop().run_in_executor(None, state.engine.wake_up)
+    return web.json_response({"is_sleeping": False, **took})
+
+
+async def _is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": request.app[STATE].engine.is_sleeping})
+
+
+def _asleep_error() -> web.Response:
+    message = "the server is asleep (sleep mode): POST /wake_up, then send requests again"
+    return _error(ApiError(503, message, kind="unavailable"))
 
 
 async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
+    if state.sleep_mode and state.engine.is_sleeping:
+        return web.json_response({"status": "sleeping"})
     background = state.engine.engine.background  # progress() reads counters only: no need to wait a step
     if background is None:
         return web.json_response({"status": "ok"})
@@ -225,6 +269,8 @@ async def _generation(request: web.Request, parse: Parser) -> web.StreamResponse
     state = request.app[STATE]
     if state.draining:
         return _error(ApiError(503, "the server is shutting down", kind="unavailable"))
+    if state.sleep_mode and state.engine.is_sleeping:
+        return _asleep_error()
     arrival = time.monotonic()
     try:
         generation, shape = parse(await _read(request, state), state)
@@ -252,6 +298,8 @@ async def _generation(request: web.Request, parse: Parser) -> web.StreamResponse
         request_id = state.engine.submit(generation.prompt, generation.params, sink)
     except InputError as exc:
         return _error(ApiError(400, str(exc)))
+    except EngineAsleep:
+        return _asleep_error()
     except EngineClosed as exc:
         return _error(ApiError(503, str(exc), kind="unavailable"))
     decoder = state.tokenizer.decoder(generation.prompt)

@@ -146,6 +146,7 @@ def _state(
         root=None if source.directory is None else str(source.directory),
         startup=startup.report(),
         body_timeout=args.body_timeout,
+        sleep_mode=getattr(args, "enable_sleep_mode", False),
     )
 
 

@@ -33,6 +33,7 @@ from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.serve.checkpoint.source import ModelSource, open_model
 from devgraph.serve.engine.config import EngineConfig
 from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.sizing import KvSizing, kv_blocks_for_memory
 from devgraph.serve.engine.warmup import check_warm_up_fits
 
 __all__ = [
@@ -60,9 +61,11 @@ class Startup:
 
     times: dict[str, float] = field(default_factory=dict)
     weights: str = ""
+    kv_sizing: dict[str, Any] | None = None  # --gpu-memory-utilization: how the KV cache was sized
 
     def report(self) -> dict[str, Any]:
-        return {**{k: round(v, 3) for k, v in self.times.items()}, "weights": self.weights}
+        out = {**{k: round(v, 3) for k, v in self.times.items()}, "weights": self.weights}
+        return out if self.kv_sizing is None else {**out, "kv_sizing": self.kv_sizing}
 
 
 def device_defaults(device: torch.device) -> dict[str, Any]:
@@ -132,6 +135,23 @@ def build_engine(
     overrides: dict[str, Any] = {"max_requests": running}
     for name in ("dtype", "num_blocks", "max_seq_len", "attention"):
         overrides[name] = getattr(args, name, None)
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    if group is not None:
+        # Rank 0 alone would resize its cache or release its graphs: every rank must do it in lock-step.
+        for flag, given in (
+            ("--gpu-memory-utilization", utilization is not None),
+            ("--enable-sleep-mode", getattr(args, "enable_sleep_mode", False)),
+        ):
+            if given:
+                raise ConfigError(f"{flag} is not available with --tp yet; leave one of them out")
+    if utilization is not None:
+        if args.num_blocks is not None:
+            raise ConfigError(
+                "--gpu-memory-utilization sizes the KV cache from free memory; --num-blocks sets it: give one"
+            )
+        # A stand-in cache of one request of the full context until the graphs' memory is estimated.
+        full = source.model_config(overrides).max_blocks_per_request
+        overrides["num_blocks"] = 1 + full
     model_config = source.model_config(overrides)
     # Before allocating (or capturing) anything: the cache must fit the memory and the warm-up.
     # Under tensor parallelism each rank holds about 1/N of the weights and of the KV cache (its heads).
@@ -182,14 +202,74 @@ def build_engine(
     )
     start = time.perf_counter()
     engine = engine_class(
-        built.model, engine_config, device_graph_mode=graphs, progress=args.progress, capture=not background
+        built.model,
+        engine_config,
+        device_graph_mode=graphs,
+        progress=args.progress,
+        capture=not background and utilization is None,
     )
+    if utilization is not None:
+        size_kv_cache(engine, utilization, startup)
+        if not background:
+            engine.capture()
     if background:
         capture = engine.capture_in_background()
         logger.info("%d graphs to capture in the background, one key between two steps", capture.total)
     startup.times["graphs_s"] = time.perf_counter() - start
     logger.info("graphs %s in %.1f s", "set up" if background else "ready", startup.times["graphs_s"])
     return engine
+
+
+def memory_info(device: torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes of ``device`` (the host's memory for the CPU)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    free, total = resolve_platform(device).mem_get_info()
+    return int(free), int(total)
+
+
+def size_kv_cache(engine: Engine, utilization: float, startup: Startup) -> KvSizing:
+    """``--gpu-memory-utilization``: estimate both runners' graph memory (before capture), then allocate
+    the KV cache with what is left of ``utilization`` of the device's memory."""
+    start = time.perf_counter()
+    estimates = [r.estimate_graph_memory() for r in (engine.decode_runner, engine.prefill_runner)]
+    graph_bytes = sum(e.total_bytes for e in estimates)
+    config = engine.model_config
+    device = engine.model.device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    free, total = memory_info(device)
+    stand_in = kv_cache_bytes(config)
+    sizing = kv_blocks_for_memory(
+        utilization=utilization,
+        free_bytes=free,
+        total_bytes=total,
+        stand_in_bytes=stand_in,
+        graph_bytes=graph_bytes,
+        block_bytes=stand_in // config.total_blocks,
+        min_blocks=config.total_blocks,
+    )
+    engine.resize_kv_cache(sizing.num_blocks)
+    startup.times["graph_estimate_s"] = time.perf_counter() - start
+    startup.kv_sizing = {
+        "utilization": utilization,
+        "graph_bytes_estimated": graph_bytes,
+        "kv_cache_bytes": sizing.kv_cache_bytes,
+        "num_blocks": sizing.num_blocks,
+    }
+    logger.info(
+        "KV cache sized for --gpu-memory-utilization %g: %d blocks, %.1f MiB (graphs estimated at %.1f MiB "
+        "before capture, %.1f MiB in use, %.1f MiB total) in %.1f s",
+        utilization,
+        sizing.num_blocks,
+        sizing.kv_cache_bytes / MiB,
+        graph_bytes / MiB,
+        (total - free - stand_in) / MiB,
+        total / MiB,
+        startup.times["graph_estimate_s"],
+    )
+    return sizing
 
 
 def kv_cache_bytes(config: ReferenceConfig) -> int:

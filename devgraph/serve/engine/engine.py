@@ -8,6 +8,7 @@ from one thread (:class:`~devgraph.serve.engine.loop.EngineLoop` runs it in a th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import InputError
+from devgraph.errors import ConfigError, InputError
 from devgraph.flag.config import DeviceGraphConfig
 from devgraph.messages import shorten
 from devgraph.reference.model import ReferenceModel
@@ -39,6 +40,7 @@ from devgraph.serve.engine.request import (
 )
 from devgraph.serve.engine.sampler import Sampler
 from devgraph.serve.engine.scheduler import Scheduler
+from devgraph.serve.engine.sleep import KvCacheShape, allocate_kv_cache, check_level, free_kv_cache
 from devgraph.serve.engine.warmup import check_warm_up_fits, warm_up_lengths
 
 __all__ = ["Engine"]
@@ -108,6 +110,9 @@ class Engine:
         self.background: BackgroundCapture | None = None
         self.prompt_tokens = 0  # prompts of requests that got their first token
         self.generation_tokens = 0  # tokens handed out (stop tokens are not)
+        #: Sleep mode (sleep()): the level asleep at (None: awake) and the KV cache to allocate on wake-up.
+        self.sleep_level: int | None = None
+        self._kv_shape: KvCacheShape | None = None
         if capture:
             self.capture()
 
@@ -123,6 +128,80 @@ class Engine:
         if self.background is None:
             self.background = BackgroundCapture([self.decode_runner, self.prefill_runner])
         return self.background
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache at ``num_blocks`` blocks instead (``--gpu-memory-utilization`` sizes it
+        after the graphs' estimate); only before any graph is captured and with no request in the engine."""
+        if (
+            self.has_work
+            or self.decode_runner.keys
+            or self.prefill_runner.keys
+            or self.background is not None
+        ):
+            raise ConfigError(
+                "resize the KV cache before capturing graphs and before adding requests: the graphs read "
+                "the cache's addresses"
+            )
+        free_kv_cache(self.model)
+        self.model.config = dataclasses.replace(self.model.config, num_blocks=num_blocks)
+        self.model_config = self.model.config
+        shape = self.model.config
+        allocate_kv_cache(
+            self.model,
+            KvCacheShape(
+                (shape.total_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
+                shape.dtype,
+                self.model.device,
+                shape.num_layers,
+            ),
+        )
+        self.allocator = self.scheduler.allocator = BlockAllocator(shape.total_blocks)
+
+    # -- sleep mode ----------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Give the device memory of an idle engine back: level 1 releases both runners' graphs and their
+        pools, then frees the KV cache (its contents are lost); the weights stay. :class:`ConfigError`
+        while requests are in flight or graphs are captured in the background. Returns what was freed."""
+        check_level(level)
+        if self.sleep_level is not None:
+            return {"level": self.sleep_level, "graph_bytes": 0, "kv_cache_bytes": 0}
+        if self.has_work:
+            raise ConfigError(
+                f"the engine has {self.num_running + self.num_waiting} request(s) in flight: sleep when "
+                "it is idle (their KV cache would be freed under them)"
+            )
+        if self.background is not None and not self.background.done:
+            raise ConfigError("the graphs are still being captured in the background; sleep once they are")
+        graph_bytes = sum(r.release().graph_bytes for r in (self.decode_runner, self.prefill_runner))
+        self._kv_shape = free_kv_cache(self.model)
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()  # the KV cache's blocks back to the driver
+        self.sleep_level = level
+        logger.info(
+            "asleep (level %d): released %.1f MiB of graphs and %.1f MiB of KV cache",
+            level,
+            graph_bytes / 2**20,
+            self._kv_shape.nbytes / 2**20,
+        )
+        return {"level": level, "graph_bytes": graph_bytes, "kv_cache_bytes": self._kv_shape.nbytes}
+
+    def wake_up(self) -> dict[str, Any]:
+        """Take the memory back after :meth:`sleep`: the KV cache first (its old size, zeroed), then the
+        graphs, captured on the new cache (no compile again). Returns the seconds each took."""
+        if self.sleep_level is None or self._kv_shape is None:
+            return {"kv_cache_s": 0.0, "graphs_s": 0.0}
+        kv_seconds = allocate_kv_cache(self.model, self._kv_shape)
+        start = time.perf_counter()
+        self.decode_runner.restore()
+        self.prefill_runner.restore()
+        graphs_seconds = time.perf_counter() - start
+        self.sleep_level, self._kv_shape = None, None
+        logger.info("awake: KV cache in %.2f s, graphs captured again in %.2f s", kv_seconds, graphs_seconds)
+        return {"kv_cache_s": round(kv_seconds, 4), "graphs_s": round(graphs_seconds, 4)}
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
 
     def warm_up(self) -> None:
         """Serve two throw-away requests (a 1-token and a longer prompt) so that first-use costs (lazy
@@ -177,6 +256,10 @@ class Engine:
         self, prompt: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:
         params = params or SamplingParams()
+        if self.sleep_level is not None:
+            raise ConfigError(
+                "the engine is asleep (its KV cache is freed); wake_up() before adding requests"
+            )
         tokens = self.check_request(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -380,4 +463,5 @@ class Engine:
             },
             "runners": {"decode": self.decode_runner.stats(), "prefill": self.prefill_runner.stats()},
             "graph_capture": None if self.background is None else self.background.progress(),
+            "sleeping": self.sleep_level is not None,
         }

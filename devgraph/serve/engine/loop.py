@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import DevGraphError
+from devgraph.errors import ConfigError, DevGraphError
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.request import FinishReason, RequestOutput, SamplingParams
 
-__all__ = ["EngineClosed", "EngineLoop", "Sink"]
+__all__ = ["EngineAsleep", "EngineClosed", "EngineLoop", "Sink"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,10 @@ Sink = Callable[[RequestOutput], None]
 
 class EngineClosed(DevGraphError):
     """The engine is shutting down and takes no new requests."""
+
+
+class EngineAsleep(DevGraphError):
+    """The engine sleeps (sleep mode): its KV cache and graphs are freed until POST /wake_up."""
 
 
 class EngineLoop:
@@ -47,6 +51,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self._closing = False
         self._stop = False
+        self._asleep = False  # sleep mode: submit() refuses while set
         self._state_lock = threading.Lock()  # held while the engine thread touches engine state
         self._thread = threading.Thread(target=self._main, name="devgraph-engine", daemon=True)
 
@@ -60,6 +65,8 @@ class EngineLoop:
         with self._cond:
             if self._closing:
                 raise EngineClosed("the server is shutting down and takes no new requests")
+            if self._asleep:
+                raise EngineAsleep("the engine is asleep (sleep mode): POST /wake_up, then send requests")
             request_id = f"cmpl-{next(self._ids)}"
             self._adds.append((request_id, tokens, params, sink))
             self._cond.notify()
@@ -96,6 +103,37 @@ class EngineLoop:
                 sink(RequestOutput(request_id, [], True, FinishReason.ERROR, error=error))
             except Exception:
                 logger.exception("output sink for %s failed", request_id)
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Put the engine to sleep (:meth:`Engine.sleep`) between two steps; refused (ConfigError) while
+        requests are in flight or queued. Blocks until done: call it from a worker thread."""
+        with self._state_lock:  # the engine thread is between steps, not stepping
+            with self._cond:
+                if self._adds or self._sinks or self.engine.has_work:
+                    raise ConfigError(
+                        f"{len(self._adds) + len(self._sinks)} request(s) are in flight; sleep when the "
+                        "server is idle"
+                    )
+                self._asleep = True  # no request gets in from here on
+            try:
+                return self.engine.sleep(level)
+            except BaseException:
+                with self._cond:
+                    self._asleep = self.engine.is_sleeping
+                raise
+
+    def wake_up(self) -> dict[str, Any]:
+        """Wake the engine (:meth:`Engine.wake_up`): KV cache, then graphs; requests are taken again."""
+        with self._state_lock:
+            result = self.engine.wake_up()
+            with self._cond:
+                self._asleep = False
+        return result
+
+    @property
+    def is_sleeping(self) -> bool:
+        with self._cond:
+            return self._asleep
 
     def shutdown(self, drain_seconds: float = 0.0) -> None:
         """Stop taking requests; let in-flight ones finish for up to ``drain_seconds``, abort the rest,

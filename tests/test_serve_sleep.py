@@ -1,0 +1,151 @@
+"""Sleep mode of the serving engine and of ``devgraph serve --enable-sleep-mode`` (in-process server on the
+CPU): sleep frees the graphs (the simulator's pool bytes back to zero) and the KV cache, requests while
+asleep get 503 JSON naming /wake_up, wake-up allocates the cache and captures the graphs again, and the
+tokens are those of before (deterministic mode)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from devgraph import ConfigError
+from devgraph.platforms.sim.pool import reserved_bytes
+from devgraph.reference import ReferenceConfig, ReferenceModel
+from devgraph.serve.cli import add_serve_parser
+from devgraph.serve.engine import Engine, EngineAsleep, EngineConfig, EngineLoop, SamplingParams
+
+pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_engine() -> Engine:
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4), seed=0)
+    return Engine(model, EngineConfig(4, 16, deterministic=True), device_graph_mode="full", progress=False)
+
+
+def test_the_flag_parses() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "--enable-sleep-mode"]).enable_sleep_mode
+    assert not parser.parse_args(["serve"]).enable_sleep_mode
+
+
+def test_engine_sleeps_frees_graphs_and_kv_cache_and_wakes_with_the_same_tokens() -> None:
+    engine = make_engine()
+    params = SamplingParams(max_tokens=5)
+    before = engine.generate([PROMPT], params)[0]
+    gc.collect()  # pools of earlier tests' runners go now, not while this test measures
+    held = reserved_bytes()
+    graph_bytes = sum(r.graph_memory().total_bytes for r in (engine.decode_runner, engine.prefill_runner))
+    assert held > 0 and graph_bytes > 0
+    freed = engine.sleep(1)
+    assert engine.is_sleeping and freed["graph_bytes"] == graph_bytes and freed["kv_cache_bytes"] > 0
+    assert reserved_bytes() == held - graph_bytes
+    assert all(c.numel() == 0 for c in (*engine.model.k_cache, *engine.model.v_cache))
+    with pytest.raises(ConfigError, match="asleep"):
+        engine.add_request(PROMPT, params)
+    with pytest.raises(ConfigError, match="sleep level"):
+        engine.sleep(2)
+    took = engine.wake_up()
+    assert not engine.is_sleeping and took["graphs_s"] >= 0
+    assert all(c.numel() > 0 for c in engine.model.k_cache)
+    assert reserved_bytes() == held
+    engine.decode_runner.reset_stats()
+    assert engine.generate([PROMPT], params)[0] == before
+    assert engine.decode_runner.stats()["replays"] > 0
+    engine.close()
+
+
+def test_engine_refuses_to_sleep_with_requests_in_flight() -> None:
+    engine = make_engine()
+    engine.add_request(PROMPT, SamplingParams(max_tokens=3))
+    with pytest.raises(ConfigError, match="in flight"):
+        engine.sleep()
+    assert not engine.is_sleeping
+    engine.close()
+
+
+def test_server_sleep_wake_up_is_sleeping_and_503_while_asleep() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from devgraph.serve.api.app import ServerState, build_app
+
+    loop = EngineLoop(make_engine())
+    loop.start()
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+
+    async def main() -> list[tuple[int, Any]]:
+        app = build_app(ServerState(loop, "tiny", None, 8, sleep_mode=True))
+        answers: list[tuple[int, Any]] = []
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+
+            async def call(method: str, path: str, **kwargs: Any) -> None:
+                response = await client.request(method, path, **kwargs)
+                answers.append((response.status, await response.json()))
+
+            await call("POST", "/v1/completions", json=body)  # 0
+            await call("GET", "/is_sleeping")  # 1
+            await call("POST", "/sleep?level=3")  # 2
+            await call("POST", "/sleep?level=1")  # 3
+            await call("GET", "/is_sleeping")  # 4
+            await call("POST", "/v1/completions", json=body)  # 5
+            await call("GET", "/health")  # 6
+            await call("POST", "/wake_up")  # 7
+            await call("GET", "/is_sleeping")  # 8
+            await call("POST", "/v1/completions", json=body)  # 9
+        return answers
+
+    try:
+        answers = asyncio.run(main())
+    finally:
+        loop.shutdown()
+        loop.engine.close()
+    statuses = [a[0] for a in answers]
+    assert statuses == [200, 200, 400, 200, 200, 503, 200, 200, 200, 200], answers
+    assert answers[1][1] == {"is_sleeping": False} and answers[4][1] == {"is_sleeping": True}
+    assert "level" in answers[2][1]["error"]["message"]
+    assert answers[3][1]["is_sleeping"] and answers[3][1]["graph_bytes"] > 0
+    assert "/wake_up" in answers[5][1]["error"]["message"]
+    assert answers[6][1] == {"status": "sleeping"} and answers[8][1] == {"is_sleeping": False}
+    assert answers[9][1]["choices"][0]["token_ids"] == answers[0][1]["choices"][0]["token_ids"]
+
+
+def test_routes_absent_without_the_flag_and_submit_refused_while_asleep() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from devgraph.serve.api.app import ServerState, build_app
+
+    async def main() -> int:
+        app = build_app(ServerState(engine=None, model_name="tiny", metrics=None, max_queued=1))  # type: ignore[arg-type]
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            return (await client.post("/sleep")).status
+
+    assert asyncio.run(main()) == 404
+    loop = EngineLoop(make_engine())
+    loop.start()
+    try:
+        loop.sleep(1)
+        with pytest.raises(EngineAsleep, match="wake_up"):
+            loop.submit(PROMPT, SamplingParams(max_tokens=2), lambda output: None)
+        loop.wake_up()
+        assert not loop.is_sleeping
+    finally:
+        loop.shutdown()
+        loop.engine.close()
