@@ -162,3 +162,21 @@ def test_cuda_release_returns_the_graph_pool_bytes():
     runner.restore()
     torch.testing.assert_close(runner.run(x=x, copy=True), eager)
     runner.close()
+
+
+def test_release_frees_the_fallback_set_too_and_restore_captures_both():
+    runner = make(mode=None, config='{"decode": {"backend": "full", "fallback": "breakable"}}')
+    gc.collect()
+    base = reserved_bytes()
+    runner.capture()
+    held = reserved_bytes() - base
+    memory = runner.graph_memory()
+    assert memory.fallback_bytes > 0 and memory.total_bytes == held
+    x = torch.randn(3, 16)
+    before = runner.run(x=x, copy=True)
+    runner.release()
+    assert reserved_bytes() == base and runner.inspect()["fallback"]["keys"] == {}
+    runner.restore()
+    assert reserved_bytes() - base == held and len(runner.inspect()["fallback"]["keys"]) == len(SIZES)
+    assert torch.equal(runner.run(x=x, copy=True), before)
+    runner.close()

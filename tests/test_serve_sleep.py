@@ -149,3 +149,23 @@ def test_routes_absent_without_the_flag_and_submit_refused_while_asleep() -> Non
     finally:
         loop.shutdown()
         loop.engine.close()
+
+
+@pytest.mark.cuda
+def test_cuda_sleep_hands_the_graph_pool_back_and_wakes_with_the_same_tokens() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4), device="cuda", seed=0)
+    engine = Engine(model, EngineConfig(4, 16, deterministic=True), device_graph_mode="full", progress=False)
+    params = SamplingParams(max_tokens=5)
+    before = engine.generate([PROMPT], params)[0]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    freed = engine.sleep(1)
+    torch.cuda.synchronize()
+    free_after = torch.cuda.mem_get_info()[0]
+    assert freed["graph_bytes"] > 0 and free_after - free_before >= 0.95 * freed["graph_bytes"]
+    engine.wake_up()
+    assert engine.generate([PROMPT], params)[0] == before
+    engine.close()
