@@ -267,11 +267,11 @@ class GraphRunner:
         with self._lock:
             return memory.graph_memory(self)
 
-    def estimate_graph_memory(self, *, probes: int = 4) -> memory.GraphMemoryEstimate:
-        """Before :meth:`capture`: the bytes every configured key's graph will hold, from ``probes`` keys
-        (the largest, the next, ones between, the smallest) captured into a throw-away pool (then released)
-        and a piecewise-linear fit of the rest. Call it before allocating the KV cache (see
-        docs/user-guide.md, "Start-up and memory")."""
+    def estimate_graph_memory(self, *, probes: int | None = None) -> memory.GraphMemoryEstimate:
+        """Before :meth:`capture`: the bytes every configured key's graph will hold, measured by capturing
+        every key into a throw-away pool (then released), or with ``probes=N`` from N keys and a
+        piecewise-linear fit of the rest. Call it before allocating the KV cache (see docs/user-guide.md,
+        "Start-up and memory")."""
         with self._lock:
             self._check_open()
             return memory.estimate(self, probes)

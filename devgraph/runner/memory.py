@@ -115,15 +115,19 @@ def fit_bytes(points: Mapping[int, int], tokens: int) -> int:
     return max(0, round(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)))
 
 
-def estimate(runner: GraphRunner, probes: int = 4) -> GraphMemoryEstimate:
+def estimate(runner: GraphRunner, probes: int | None = None) -> GraphMemoryEstimate:
     """Capture ``probes`` keys into a throw-away pool, measure, release them all, fit every other key.
 
     The runner must not have captured yet (after capture, :func:`graph_memory` gives the exact bytes).
-    With ``probes`` at least the number of keys, every key is captured: the estimate is then a measurement.
+    ``probes=None`` (the default) or at least the number of keys captures every key: the estimate is then a
+    measurement. Why that is the default: a CUDA pool grows in whole segments (2 MiB for small blocks, 20
+    MiB and more for large ones), so which key adds a segment is not a smooth function of its size, and a
+    fit through 4 of 9 keys missed the measured total by 43-57% on an H200 (benchmarks/results/
+    h200-memory.json); a capture without compile costs about 0.1 s per key there.
     """
     plan = runner.plan
-    if not isinstance(probes, int) or isinstance(probes, bool) or probes < 2:
-        raise ConfigError(f"estimate_graph_memory(probes=) must be an int >= 2, got {probes!r}")
+    if probes is not None and (not isinstance(probes, int) or isinstance(probes, bool) or probes < 2):
+        raise ConfigError(f"estimate_graph_memory(probes=) must be None or an int >= 2, got {probes!r}")
     if runner._captured or runner._background is not None or runner._released is not None:
         raise ConfigError(
             f"the {plan.phase} runner has captured (or is capturing, or was released); estimate graph "
@@ -134,7 +138,7 @@ def estimate(runner: GraphRunner, probes: int = 4) -> GraphMemoryEstimate:
     if not backend.uses_graphs or not keys:
         return GraphMemoryEstimate(0, {}, {}, "no graphs (eager mode)", 0.0)
     lazy = plan.capture.lazy
-    chosen = probe_keys(keys, probes)
+    chosen = probe_keys(keys, len(keys) if probes is None else probes)
     start = time.perf_counter()
     measured: dict[GraphKey, int] = {}
     backend.prepare(plan.inputs, () if lazy else keys)
