@@ -150,6 +150,7 @@ def main() -> int:
     )
     parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps in the skewed trace")
+    parser.add_argument("--sections", default=None, help="comma-separated: tuning,guard,fallback,pool (all)")
     args = parser.parse_args()
     if not start(args.smoke):
         return 1
@@ -182,7 +183,10 @@ def main() -> int:
             lambda: sections.pool(target, draft, dev, [1, 2, 4, 8] if smoke else [1, 2, 4, 8, 16, 32, 64]),
         ),
     ]
+    wanted = set(args.sections.split(",")) if args.sections else {name for name, _, _ in plan}
     for name, estimate, run in plan:
+        if name not in wanted:
+            continue
         if not budget.allows(0 if smoke else estimate):
             report.data.setdefault("skipped", []).append(
                 f"{name}: {budget.left():.0f} s left, needs about {estimate}"

@@ -274,18 +274,19 @@ def pool(target: ReferenceModel, draft: ReferenceModel, dev: Device, sizes: list
     out: dict[str, Any] = {}
     for outputs in ("tokens", "logits"):
         logits = outputs == "logits"
+        # Bytes from each runner's own pool growth per key (graph_memory()), not from the allocator's
+        # reserved total: on an H200 that total fell by 6 GB during one capture (earlier sections' cached
+        # blocks went back), which made a "separate" figure negative.
         separate = {}
         for name, model in (("draft", draft), ("target", target)):
-            runner, nbytes = _graph_bytes(
-                dev, lambda m=model, lg=logits: _capture(_greedy(m, sizes, GraphPool(), lg))
-            )
-            separate[name] = nbytes
+            dev.settle()
+            runner = _capture(_greedy(model, sizes, GraphPool(), logits))
+            separate[name] = runner.graph_memory().total_bytes
             runner.close()
             dev.settle()
         shared = GraphPool(name="draft+target")
-        pair, together = _graph_bytes(
-            dev, lambda p=shared, lg=logits: [_capture(_greedy(m, sizes, p, lg)) for m in (draft, target)]
-        )
+        pair = [_capture(_greedy(m, sizes, shared, logits)) for m in (draft, target)]
+        together = sum(r.graph_memory().total_bytes for r in pair)
         batch = make_decode_batch(target, sizes[len(sizes) // 2], seq_lens=64, seed=3)
         vs_eager = [
             diff(r.run(**batch, copy=True).float(), _greedy_eager(m, batch, logits).float())
