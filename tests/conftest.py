@@ -149,3 +149,13 @@ def chained_breaks(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Two break ops back to back (the second reads the first's output, a weak alias into the graph pool
     on a device), then a segment."""
     return torch.tanh(shift_rows(mix_rows(x * 1.5), bias)) + x
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread for a module: tiny matrices on a shared 2-core machine only contend for OpenMP
+    threads (steps measured 20x slower). Use with ``pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

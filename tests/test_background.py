@@ -5,7 +5,6 @@ warm-ups, and outputs are bitwise those of a runner captured up front (CPU simul
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,18 +14,10 @@ from devgraph import BackgroundCapture, CaptureError, ConfigError, GraphRunner, 
 from devgraph.reference import ReferenceConfig, ReferenceModel
 from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 SIZES = [2, 4, 8]
 INPUTS = {"x": StaticInput(torch.float32, (16,), fill=0.0)}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Stateful:

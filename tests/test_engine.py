@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,16 +27,7 @@ from devgraph.serve.engine import (
 )
 from devgraph.serve.engine.request import Request
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matrices on a shared 2-core machine: OpenMP threads only contend (20x slower steps).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,8 @@ memory query replaced by fixed numbers so the blocks are known)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from devgraph.errors import ConfigError
 from devgraph.serve.api import startup as server_module
@@ -16,18 +14,10 @@ from devgraph.serve.cli import add_serve_parser
 from devgraph.serve.engine import SamplingParams
 from devgraph.serve.engine.sizing import kv_blocks_for_memory
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 MiB = 1 << 20
 FLAGS = ["--preset", "tiny", "--device", "cpu", "--max-running-requests", "4", "--token-budget", "16"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def parse(*flags: str) -> argparse.Namespace:

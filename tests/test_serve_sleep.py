@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,17 +21,9 @@ from devgraph.serve.engine import Engine, EngineAsleep, EngineConfig, EngineLoop
 
 pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [5, 6, 7, 8, 9]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_engine() -> Engine:
