@@ -23,7 +23,6 @@ from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.errors import ConfigError, InputError
 from devgraph.flag.config import DeviceGraphConfig
-from devgraph.flag.factory import ResolvedPhase
 from devgraph.flag.trace import PhaseSteps
 from devgraph.messages import shorten
 from devgraph.ranks import assert_same_key, release_backend
@@ -37,7 +36,8 @@ from devgraph.runner.inspection import describe_runner
 from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.outputs.trees import copy_into_out, copy_tree
 from devgraph.runner.plan import check_signature, plan_runner
-from devgraph.runner.schedule import AxisSizes, KeySchedule
+from devgraph.runner.plan_view import PlanView
+from devgraph.runner.schedule import AxisSizes
 from devgraph.runner.staging import StaticBuffers, StepValidator
 from devgraph.runner.stats import RunnerStats
 from devgraph.runner.stepping import Agreement, Stepper
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 RESERVED_NAMES = frozenset({"n", "context", "counts", "variant", "copy", "out", "rtol", "self", "agreement"})
 
 
-class GraphRunner:
+class GraphRunner(PlanView):
     """Captures ``forward`` for a phase at a set of keys and replays it, padding each step up to a key.
 
     ``forward(**inputs, **variant)`` takes one tensor per declared :class:`StaticInput` (rows follow the
@@ -151,52 +151,6 @@ class GraphRunner:
         self._sets: GraphSets
         self._graphs: RunnerGraphs
         lifecycle.assemble(self, backend, second, pool)  # ... and tracks it for destroy_process_group()
-
-    # -- what the plan resolved (runner.plan has it all) --------------------------------------------
-    @property
-    def phase(self) -> str:
-        return self.plan.phase
-
-    @property
-    def platform(self) -> Any:
-        return self.plan.platform
-
-    @property
-    def device(self) -> torch.device:
-        return self.plan.device
-
-    @property
-    def input_specs(self) -> Mapping[str, StaticInput]:
-        return self.plan.inputs
-
-    @property
-    def schedule(self) -> KeySchedule:
-        return self.plan.schedule
-
-    @property
-    def tokens_per_request(self) -> int | None:
-        return self.plan.tokens_per_request
-
-    @property
-    def warmup_iters(self) -> int:
-        return self.plan.capture.warmup_iters
-
-    @property
-    def lazy(self) -> bool:
-        return self.plan.capture.lazy
-
-    @property
-    def config(self) -> DeviceGraphConfig:
-        return self.plan.flag
-
-    @property
-    def resolved(self) -> ResolvedPhase:
-        return self.plan.resolved
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """The token sizes this runner captures."""
-        return self.schedule.token_sizes
 
     @property
     def static_inputs(self) -> Mapping[str, torch.Tensor]:

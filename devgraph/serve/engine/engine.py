@@ -8,7 +8,6 @@ from one thread (:class:`~devgraph.serve.engine.loop.EngineLoop` runs it in a th
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -26,6 +25,7 @@ from devgraph.reference.runners import decode_runner, prefill_runner
 from devgraph.runner.capture.background import BackgroundCapture
 from devgraph.runner.capture.loop import CaptureReport
 from devgraph.runner.graph_runner import GraphRunner
+from devgraph.serve.engine import sleep
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables
 from devgraph.serve.engine.batch import StepBatch, decode_batch, prefill_batch
 from devgraph.serve.engine.config import EngineConfig
@@ -40,7 +40,8 @@ from devgraph.serve.engine.request import (
 )
 from devgraph.serve.engine.sampler import Sampler
 from devgraph.serve.engine.scheduler import Scheduler
-from devgraph.serve.engine.sleep import KvCacheShape, allocate_kv_cache, check_level, free_kv_cache
+from devgraph.serve.engine.sleep import KvCacheShape
+from devgraph.serve.engine.stats import engine_stats
 from devgraph.serve.engine.warmup import check_warm_up_fits, warm_up_lengths
 
 __all__ = ["Engine"]
@@ -132,72 +133,19 @@ class Engine:
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache at ``num_blocks`` blocks instead (``--gpu-memory-utilization`` sizes it
         after the graphs' estimate); only before any graph is captured and with no request in the engine."""
-        if (
-            self.has_work
-            or self.decode_runner.keys
-            or self.prefill_runner.keys
-            or self.background is not None
-        ):
-            raise ConfigError(
-                "resize the KV cache before capturing graphs and before adding requests: the graphs read "
-                "the cache's addresses"
-            )
-        free_kv_cache(self.model)
-        self.model.config = dataclasses.replace(self.model.config, num_blocks=num_blocks)
-        self.model_config = self.model.config
-        shape = self.model.config
-        allocate_kv_cache(
-            self.model,
-            KvCacheShape(
-                (shape.total_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim),
-                shape.dtype,
-                self.model.device,
-                shape.num_layers,
-            ),
-        )
-        self.allocator = self.scheduler.allocator = BlockAllocator(shape.total_blocks)
+        sleep.resize_kv_cache(self, num_blocks)
 
-    # -- sleep mode ----------------------------------------------------------------------------------
+    # -- sleep mode (serve/engine/sleep.py) ------------------------------------------------------------
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Give the device memory of an idle engine back: level 1 releases both runners' graphs and their
         pools, then frees the KV cache (its contents are lost); the weights stay. :class:`ConfigError`
         while requests are in flight or graphs are captured in the background. Returns what was freed."""
-        check_level(level)
-        if self.sleep_level is not None:
-            return {"level": self.sleep_level, "graph_bytes": 0, "kv_cache_bytes": 0}
-        if self.has_work:
-            raise ConfigError(
-                f"the engine has {self.num_running + self.num_waiting} request(s) in flight: sleep when "
-                "it is idle (their KV cache would be freed under them)"
-            )
-        if self.background is not None and not self.background.done:
-            raise ConfigError("the graphs are still being captured in the background; sleep once they are")
-        graph_bytes = sum(r.release().graph_bytes for r in (self.decode_runner, self.prefill_runner))
-        self._kv_shape = free_kv_cache(self.model)
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()  # the KV cache's blocks back to the driver
-        self.sleep_level = level
-        logger.info(
-            "asleep (level %d): released %.1f MiB of graphs and %.1f MiB of KV cache",
-            level,
-            graph_bytes / 2**20,
-            self._kv_shape.nbytes / 2**20,
-        )
-        return {"level": level, "graph_bytes": graph_bytes, "kv_cache_bytes": self._kv_shape.nbytes}
+        return sleep.put_to_sleep(self, level)
 
     def wake_up(self) -> dict[str, Any]:
         """Take the memory back after :meth:`sleep`: the KV cache first (its old size, zeroed), then the
         graphs, captured on the new cache (no compile again). Returns the seconds each took."""
-        if self.sleep_level is None or self._kv_shape is None:
-            return {"kv_cache_s": 0.0, "graphs_s": 0.0}
-        kv_seconds = allocate_kv_cache(self.model, self._kv_shape)
-        start = time.perf_counter()
-        self.decode_runner.restore()
-        self.prefill_runner.restore()
-        graphs_seconds = time.perf_counter() - start
-        self.sleep_level, self._kv_shape = None, None
-        logger.info("awake: KV cache in %.2f s, graphs captured again in %.2f s", kv_seconds, graphs_seconds)
-        return {"kv_cache_s": round(kv_seconds, 4), "graphs_s": round(graphs_seconds, 4)}
+        return sleep.wake_up(self)
 
     @property
     def is_sleeping(self) -> bool:
@@ -444,24 +392,4 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Engine and runner counters as plain data (the server's /metrics and debug endpoint read it)."""
-        return {
-            "running": self.num_running,
-            "waiting": self.num_waiting,
-            "kv_blocks_free": self.allocator.num_free,
-            "kv_blocks_total": self.allocator.capacity,
-            "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens,
-            "steps": dict(self.step_counts),
-            "preemptions": self.scheduler.preemptions,
-            "engine_padding_tokens": self.engine_padding,
-            "finished": dict(self.finished_count),
-            "config": {
-                "max_running_requests": self.config.max_running_requests,
-                "token_budget": self.config.token_budget,
-                "mixed_steps": self.config.mixed,
-                "deterministic": self.config.deterministic,
-            },
-            "runners": {"decode": self.decode_runner.stats(), "prefill": self.prefill_runner.stats()},
-            "graph_capture": None if self.background is None else self.background.progress(),
-            "sleeping": self.sleep_level is not None,
-        }
+        return engine_stats(self)
