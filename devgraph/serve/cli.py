@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from devgraph.console import OneLineParser, run_command
-from devgraph.errors import ConfigError
 from devgraph.extras import require_extra
 from devgraph.flag.config import add_device_graph_args
 from devgraph.flag.tuning import apply_tuned
@@ -324,14 +323,6 @@ def run_serve(args: argparse.Namespace) -> int:
     require_extra("aiohttp", extra="serve", needed_by="this command")  # before minutes of start-up
     from devgraph.serve.api.server import serve
 
-    if (args.tp or 1) > 1:  # before any rank is spawned: these act on rank 0 alone today
-        for flag, given in (
-            ("--gpu-memory-utilization", args.gpu_memory_utilization is not None),
-            ("--enable-sleep-mode", args.enable_sleep_mode),
-            ("--capture-in-background", args.capture_in_background),
-        ):
-            if given:
-                raise ConfigError(f"{flag} is not available with --tp yet; leave one of them out")
     if getattr(args, "tuned", None):
         args.device_graph_mode = apply_tuned(args.device_graph_mode, args.tuned)
     return serve(args)

@@ -64,6 +64,15 @@ def serve(args: argparse.Namespace) -> int:
 def _start_world(args: argparse.Namespace) -> Any:
     if getattr(args, "tp", 1) <= 1:
         return None
+    # Checked before any worker is spawned. Each of these acts on rank 0 alone (its cache, its graphs, its
+    # capture between steps), while every rank must do it in lock-step.
+    for flag, given in (
+        ("--gpu-memory-utilization", getattr(args, "gpu_memory_utilization", None) is not None),
+        ("--enable-sleep-mode", getattr(args, "enable_sleep_mode", False)),
+        ("--capture-in-background", getattr(args, "capture_in_background", False)),
+    ):
+        if given:
+            raise ConfigError(f"{flag} is not available with --tp yet; leave one of them out")
     from devgraph.serve.tp import start_world
 
     return start_world(args)

@@ -136,14 +136,6 @@ def build_engine(
     for name in ("dtype", "num_blocks", "max_seq_len", "attention"):
         overrides[name] = getattr(args, name, None)
     utilization = getattr(args, "gpu_memory_utilization", None)
-    if group is not None:
-        # Rank 0 alone would resize its cache or release its graphs: every rank must do it in lock-step.
-        for flag, given in (
-            ("--gpu-memory-utilization", utilization is not None),
-            ("--enable-sleep-mode", getattr(args, "enable_sleep_mode", False)),
-        ):
-            if given:
-                raise ConfigError(f"{flag} is not available with --tp yet; leave one of them out")
     if utilization is not None:
         if args.num_blocks is not None:
             raise ConfigError(
@@ -190,11 +182,6 @@ def build_engine(
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
     background = getattr(args, "capture_in_background", False)
-    if background and group is not None:
-        raise ConfigError(
-            "--capture-in-background is not available with --tp: every rank must capture in lock-step "
-            "before serving; leave one of them out"
-        )
     logger.info(
         "%s graphs (--device-graph-mode %s)",
         "serving before the" if background else "capturing",
