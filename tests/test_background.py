@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from switching import tokens_across_the_switch
 
 from devgraph import BackgroundCapture, CaptureError, ConfigError, GraphRunner, StaticInput, is_capturing
 from devgraph.reference import ReferenceConfig, ReferenceModel
-from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
+from devgraph.serve.engine import EngineConfig, SamplingParams
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -161,20 +162,9 @@ def test_engine_tokens_unchanged_across_the_switch_in_deterministic_mode() -> No
     rng = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 500, (int(n),), generator=rng).tolist() for n in (5, 17, 9, 30)]
     params = SamplingParams(max_tokens=10)
-    ahead = Engine(model, config, progress=False)
-    expected = ahead.generate(prompts, params)
-    ahead.close()
-
-    engine = Engine(model, config, progress=False, capture=False)
-    background = engine.capture_in_background()
-    requests = [engine.add_request(p, params) for p in prompts]
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        if steps >= 5:  # the first five steps run before any graph exists
-            background.step()
-    assert [r.output for r in requests] == expected
+    # The first five steps run before any graph exists.
+    expected, got, engine = tokens_across_the_switch(model, config, prompts, params, eager_steps=5)
+    assert got == expected
     runners = engine.stats()["runners"]
     assert runners["decode"]["eager_by_reason"]["capturing"] > 0 and runners["decode"]["replays"] > 0
     assert engine.stats()["graph_capture"]["ready"]

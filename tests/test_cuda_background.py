@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from switching import tokens_across_the_switch
 
 from devgraph import BackgroundCapture, GraphRunner, StaticInput
 from devgraph.reference import ReferenceConfig, ReferenceModel
-from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
+from devgraph.serve.engine import EngineConfig, SamplingParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -85,18 +86,7 @@ def test_engine_tokens_identical_across_the_switch() -> None:
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 500, (int(n),), generator=generator).tolist() for n in (3, 20, 41, 9)]
     params = SamplingParams(max_tokens=16)
-    ahead = Engine(model, config, progress=False)
-    expected = ahead.generate(prompts, params)
-    ahead.close()
-    engine = Engine(model, config, progress=False, capture=False)
-    background = engine.capture_in_background()
-    requests = [engine.add_request(p, params) for p in prompts]
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        if steps >= 4:
-            background.step()
-    assert [r.output for r in requests] == expected
+    expected, got, engine = tokens_across_the_switch(model, config, prompts, params, eager_steps=4)
+    assert got == expected
     assert engine.stats()["runners"]["decode"]["eager_by_reason"]["capturing"] > 0
     engine.close()
