@@ -53,7 +53,8 @@ def precompile_support(forward: Callable[..., Any]) -> str | None:
     if not getattr(torch._dynamo.config, "enable_aot_compile", True):
         return "torch._dynamo.config.enable_aot_compile is off"
     if not hasattr(torch.compile(_identity, fullgraph=True), "aot_compile"):
-        # torch 2.11 has the module but its torch.compile wrappers have no aot_compile (seen on an H100).
+        # torch 2.11 has the module, enable_aot_compile off by default, and torch.compile wrappers without
+        # aot_compile (an H100 run): turning the flag on there must not break a start.
         return f"torch {torch.__version__}'s torch.compile wrappers have no aot_compile"
     return None
 
