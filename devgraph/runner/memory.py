@@ -157,7 +157,10 @@ def estimate(runner: GraphRunner, probes: int | None = None) -> GraphMemoryEstim
     seconds = time.perf_counter() - start
     largest = chosen[0]
     by_key: dict[str, int] = {}
-    if lazy:
+    if len(measured) == len(keys):  # the default: nothing to fit
+        method = f"every key captured once into a throw-away {'pool per key' if lazy else 'shared pool'}"
+        by_key = {str(key): measured[key] for key in keys}
+    elif lazy:
         points = _per_tokens(measured)
         method = f"piecewise-linear bytes over tokens through {len(points)} probed sizes (a pool per key)"
         for key in keys:
