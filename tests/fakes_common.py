@@ -58,6 +58,19 @@ def plugin_registry(*plugins: Any) -> Registry:
     return registry
 
 
+# -- what the fakes' tests capture ---------------------------------------------------------------------
+class Mlp:
+    """A two-layer perceptron on 8 features: two GEMMs (what a vendor's lazy BLAS handles react to)."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.w1 = torch.randn(8, 16, generator=gen)
+        self.w2 = torch.randn(16, 8, generator=gen)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.w1) @ self.w2
+
+
 # -- streams -----------------------------------------------------------------------------------------
 class FakeStream:
     """A device stream handle. Work runs on the CPU at once, so there is nothing to wait for."""
@@ -101,6 +114,12 @@ class Streams:
     def default_stream(self, device: Any = None) -> FakeStream:
         return self.default
 
+    def set_current(self, stream: FakeStream) -> None:
+        """Make ``stream`` this thread's current stream until another is set (``set_stream``)."""
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"expected a stream of this device, got {type(stream).__name__}")
+        self._state.current = stream
+
     @contextlib.contextmanager
     def stream(self, stream: FakeStream | None) -> Iterator[None]:
         if stream is None:  # torch.cuda.stream(None) is a no-op
@@ -129,6 +148,13 @@ class Pools:
         self._pools[handle] = sim.SimPool()
         return handle
 
+    def adopt(self, handle: tuple[int, int] | None) -> tuple[tuple[int, int], sim.SimPool]:
+        """The pool of ``handle``, made on first use as the caching allocator makes it; ``None``: a new
+        pool whose id the capture makes (torch sets the id's first value then, the second otherwise)."""
+        if handle is None:
+            handle = (next(self._ids), 0)
+        return handle, self._pools.setdefault(handle, sim.SimPool())
+
     def lookup(self, handle: Any) -> sim.SimPool | None:
         if handle is None:
             return None
@@ -149,6 +175,7 @@ class SimBackedGraph:
     """A vendor graph object (``CUDAGraph`` / ``NPUGraph``) whose capture records through the simulator."""
 
     kind = "CUDA"
+    capture_error_modes: tuple[str, ...] = CAPTURE_ERROR_MODES
 
     def __init__(self, fake: Any) -> None:
         self._fake = fake
@@ -157,10 +184,10 @@ class SimBackedGraph:
         self._pool: tuple[int, int] | None = None
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
-        if capture_error_mode not in CAPTURE_ERROR_MODES:
+        if capture_error_mode not in self.capture_error_modes:
             raise RuntimeError(
                 f"Unknown capture_error_mode {capture_error_mode!r}; "
-                f"expected one of {', '.join(CAPTURE_ERROR_MODES)}"
+                f"expected one of {', '.join(self.capture_error_modes)}"
             )
         if self._state == "capturing":
             raise RuntimeError(f"{self.kind} graph capture_begin called twice without capture_end")
@@ -173,7 +200,7 @@ class SimBackedGraph:
                 f"{self.kind} graphs must be captured on a non-default stream. (However, after "
                 "capture, it's ok to replay them on the default stream.)"
             )
-        sim_pool = self._fake.pools.lookup(pool)
+        pool, sim_pool = self._open_pool(pool)
         self._fake.before_capture(self)  # may raise the device's resource error
         try:
             sim.begin_capture(self._sim, sim_pool)
@@ -183,6 +210,10 @@ class SimBackedGraph:
         self._fake.capturing.add(threading.get_ident())
         self._pool = pool
         self._state = "capturing"
+
+    def _open_pool(self, pool: Any) -> tuple[Any, sim.SimPool | None]:
+        """The id the capture records as its pool and the simulator's pool behind it."""
+        return pool, self._fake.pools.lookup(pool)
 
     def capture_end(self) -> None:
         if self._state != "capturing":

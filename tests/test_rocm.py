@@ -8,7 +8,7 @@ from __future__ import annotations
 import fakes_rocm
 import pytest
 import torch
-from fakes_common import ensure_plugins_importable, plugin_registry
+from fakes_common import Mlp, ensure_plugins_importable, plugin_registry
 
 from devgraph import CaptureError, DeviceGraphConfig, GraphKey, GraphRunner, StaticInput, create_backend
 from devgraph.cli.info import collect_info
@@ -121,16 +121,6 @@ def test_hip_capture_errors_are_translated(text, needle):
 
 
 # -- HIP graphs through the fake -----------------------------------------------------------------------
-class Mlp:
-    def __init__(self) -> None:
-        gen = torch.Generator().manual_seed(0)
-        self.w1 = torch.randn(8, 16, generator=gen)
-        self.w2 = torch.randn(16, 8, generator=gen)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x @ self.w1) @ self.w2
-
-
 def _runner(registry, **kwargs):
     backend = RocmFullGraphBackend(registry.platform("rocm"), phase="decode")
     return GraphRunner(

@@ -112,15 +112,16 @@ def run_info(*, as_json: bool = False) -> int:
         for problem in p["problems"]:
             print(f"               problem: {problem}")
     print("\nPlatforms:")
+    width = max((len(p["name"]) for p in info["platforms"]), default=8)
     for p in info["platforms"]:
         state = "usable" if p["usable"] else f"unusable: {p['reason']}"
-        print(f"  {p['name']:<8} {state}  [from {p['origin']}]")
+        print(f"  {p['name']:<{width}} {state}  [from {p['origin']}]")
     print("\nBackends (platform:mode  phases  default for):")
     for b in info["backends"]:
         state = "usable" if b["usable"] else f"unusable: {b['reason']}"
         default = ",".join(b["default_for"]) or "-"
-        print(f"  {b['platform'] + ':' + b['name']:<24} {','.join(b['phases']):<24} {default:<16} {state}")
-    print("  *:eager                 every phase (no graphs; selected by 'disabled')")
+        print(f"  {b['platform'] + ':' + b['name']:<25} {','.join(b['phases']):<24} {default:<16} {state}")
+    print("  *:eager                  every phase (no graphs; selected by 'disabled')")
     rules = ", ".join(f"{name} ({info['rule_origins'][name]})" for name in info["rules"])
     print(f"\nCompatibility rules: {rules}")
     return 0

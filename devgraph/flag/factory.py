@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +28,12 @@ from devgraph.registry.rules import Downgrade, apply_rules
 from devgraph.strategies.eager import EagerBackend
 
 __all__ = [
+    "PLATFORM_ENV",
     "ResolvedPhase",
     "best_platform",
     "create_backend",
     "platform_availability",
+    "preferred_platform",
     "resolve_mode",
     "resolve_phase",
     "resolve_platform",
@@ -38,6 +41,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: Names the platform to prefer for the devices it handles over the one their priority picks
+#: (``DEVGRAPH_PLATFORM=accelerator``: torch.accelerator graphs on a GPU a vendor plug-in also claims).
+PLATFORM_ENV = "DEVGRAPH_PLATFORM"
 
 #: The keys of ``create_backend(options=...)`` that :class:`BackendOptions` types; the rest go to ``extra``.
 _TYPED_OPTIONS = ("compiler", "inductor_mode", "on_recompile", "cache_dir")
@@ -67,9 +74,33 @@ def platform_availability(platform: GraphPlatform) -> Availability:
     return ask_availability(platform.availability)
 
 
+def preferred_platform(registry: Registry) -> str | None:
+    """The platform ``DEVGRAPH_PLATFORM`` names (``None`` when unset); a name no plug-in registered is a
+    :class:`ConfigError`, never ignored."""
+    name = os.environ.get(PLATFORM_ENV, "").strip()
+    if not name:
+        return None
+    if name not in registry.platforms:
+        raise ConfigError(
+            f"{PLATFORM_ENV}={shorten(name)} names no registered platform (registered: "
+            f"{', '.join(sorted(registry.platforms))}); name one of them or unset it"
+        )
+    return name
+
+
 def best_platform(registry: Registry | None = None) -> GraphPlatform:
-    """The usable platform with the highest priority (an accelerator if one is present, else ``cpu``)."""
+    """The usable platform with the highest priority (an accelerator if one is present, else ``cpu``), or
+    the one ``DEVGRAPH_PLATFORM`` names, which must then be usable."""
     registry = registry or get_registry()
+    preferred = preferred_platform(registry)
+    if preferred is not None:
+        platform = registry.platform(preferred)
+        availability = platform_availability(platform)
+        if not availability:
+            raise BackendUnavailableError(
+                f"{PLATFORM_ENV}={preferred}: platform {preferred!r} is unusable here: {availability.reason}"
+            )
+        return platform
     candidates = sorted(registry.platforms, key=lambda n: -registry.platforms[n].cls.priority)
     reasons = []
     for name in candidates:
@@ -122,8 +153,9 @@ def resolve_platform(device: torch.device | str | None, registry: Registry | Non
     """The platform that owns ``device`` (``None``: the best platform present).
 
     Each registered platform is asked ``matches(device)`` (ROCm owns ``cuda`` devices on a ROCm build of
-    torch); the highest priority wins. :class:`ConfigError` when ``device`` is not a device at all,
-    :class:`BackendUnavailableError` when no platform owns it.
+    torch); the one ``DEVGRAPH_PLATFORM`` names wins among them, else the highest priority.
+    :class:`ConfigError` when ``device`` is not a device at all, :class:`BackendUnavailableError` when no
+    platform owns it.
     """
     registry = registry or get_registry()
     if device is None:
@@ -152,7 +184,9 @@ def resolve_platform(device: torch.device | str | None, registry: Registry | Non
             f"{', '.join(sorted(registry.platforms))}); install the vendor plug-in (e.g. devgraph-cuda) "
             "or run `devgraph info` to see which plug-ins failed to load"
         )
-    return max(matching, key=lambda p: p.priority)
+    preferred = preferred_platform(registry)
+    chosen = [p for p in matching if p.name == preferred]
+    return chosen[0] if chosen else max(matching, key=lambda p: p.priority)
 
 
 def usable_platform(device: torch.device | str | None, *, flag: str = "--device") -> GraphPlatform:

@@ -19,8 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from devgraph.contract.breaks import graph_break
-from devgraph.contract.context import get_forward_context
+from devgraph import get_forward_context, graph_break
 from devgraph.reference.kernels import attention_backend, torch_ref
 
 __all__ = ["PagedMetadata", "ATTENTION_OP_NAME", "sdpa_attention", "paged_attention"]

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.messages import shorten
 from devgraph.reference.kernels.backends import BACKEND_NAMES
 

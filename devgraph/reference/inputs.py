@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from devgraph.contract.inputs import Fill, StaticInput
-from devgraph.contract.keys import REQUESTS
-from devgraph.errors import ConfigError
+from devgraph import REQUESTS, ConfigError, StaticInput
+from devgraph.contract.inputs import Fill
 from devgraph.reference.model import ReferenceModel
 
 __all__ = [

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.reference.attention import PagedMetadata, paged_attention, sdpa_attention
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.fused import add_rms_norm, fused_kernels, qk_norm_rope, rms_norm, silu_mul

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 
 __all__ = ["ROPE_KINDS", "RopeScaling", "apply_rope", "inverse_frequencies", "rope_tables"]
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from devgraph.contract.keys import REQUESTS
+from devgraph import REQUESTS, GraphRunner
 from devgraph.reference.inputs import reference_inputs
 from devgraph.reference.model import ReferenceModel
-from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = ["decode_runner", "prefill_runner", "verify_runner"]
 

@@ -72,7 +72,7 @@ def _select(checks: Iterable[str] | None) -> list[Check]:
     selected = []
     for name in checks:
         if name not in CHECKS:
-            from devgraph.errors import ConfigError
+            from devgraph import ConfigError
 
             raise ConfigError(f"unknown conformance check {name!r}; accepted: {', '.join(CHECKS)}")
         selected.append(CHECKS[name])

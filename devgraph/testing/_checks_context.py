@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from devgraph.contract.context import is_capturing, is_replaying
-from devgraph.contract.inputs import StaticInput
+from devgraph import StaticInput, is_capturing, is_replaying
 from devgraph.testing._fixtures import WIDTH, BreakContext, break_forward, eager_break, feature_input
 from devgraph.testing._kit import CheckFailed, KitContext, counting_replays
 from devgraph.testing._ops import clear_op_calls, op_calls

@@ -8,8 +8,7 @@ import weakref
 
 import torch
 
-from devgraph.contract.keys import GraphKey
-from devgraph.errors import DevGraphError, ReplayError
+from devgraph import DevGraphError, GraphKey, ReplayError
 from devgraph.testing._fixtures import WIDTH, feature_input
 from devgraph.testing._kit import CheckFailed, KitContext, counting_replays
 

@@ -9,8 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from devgraph.contract.keys import GraphKey
-from devgraph.errors import CaptureError, DevGraphError, ReplayError
+from devgraph import CaptureError, DevGraphError, GraphKey, ReplayError
 from devgraph.testing._fixtures import (
     WIDTH,
     feature_input,

@@ -10,11 +10,8 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.context import forward_context
-from devgraph.contract.inputs import StaticInput
-from devgraph.contract.keys import GraphKey
+from devgraph import GraphKey, GraphRunner, StaticInput, forward_context
 from devgraph.reference import ReferenceConfig, ReferenceModel, reference_inputs
-from devgraph.runner.graph_runner import GraphRunner
 from devgraph.testing._kit import KitContext
 from devgraph.testing._ops import context_scale
 

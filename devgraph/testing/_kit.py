@@ -11,14 +11,22 @@ from typing import Any, Literal
 
 import torch
 
-from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
-from devgraph.contract.inputs import StaticInput
-from devgraph.contract.keys import GraphKey
-from devgraph.contract.phases import PHASES
-from devgraph.contract.platform import GraphPlatform
-from devgraph.errors import BackendUnavailableError, CaptureError, ConfigError, RecompileError, ReplayError
-from devgraph.registry.plugins import BackendSpec, Registry, get_registry
-from devgraph.runner.graph_runner import GraphRunner
+from devgraph import (
+    PHASES,
+    BackendOptions,
+    BackendUnavailableError,
+    CaptureError,
+    ConfigError,
+    DeviceGraphBackend,
+    GraphKey,
+    GraphPlatform,
+    GraphRunner,
+    RecompileError,
+    ReplayError,
+    StaticInput,
+    get_registry,
+)
+from devgraph.registry.plugins import BackendSpec, Registry
 from devgraph.runner.outputs.trees import max_abs, max_abs_diff
 from devgraph.testing._report import CheckResult, ConformanceFailure, ConformanceReport, Status
 

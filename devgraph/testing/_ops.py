@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from devgraph.contract.breaks import graph_break
-from devgraph.contract.context import get_forward_context, is_capturing, is_replaying
+from devgraph import get_forward_context, graph_break, is_capturing, is_replaying
 
 __all__ = ["OpCall", "context_scale", "op_calls", "clear_op_calls"]
 

@@ -81,11 +81,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _check_options(config: pytest.Config) -> None:
     """Bad kit options are usage errors, reported before collection (never an INTERNALERROR)."""
+    from devgraph import ConfigError, get_registry
     from devgraph.contract.modes import MODE_NAME_PATTERN
     from devgraph.contract.phases import check_phase
-    from devgraph.errors import ConfigError
     from devgraph.messages import shorten
-    from devgraph.registry.plugins import get_registry
 
     registered = sorted(f"{platform}:{name}" for platform, name in get_registry().backends)
     known = f"registered targets: {', '.join(registered) or 'none'} (`devgraph info` lists them)"
@@ -130,7 +129,7 @@ class KitItem(pytest.Item):
         self.add_marker(MARKER)
 
     def runtest(self) -> None:
-        from devgraph.errors import DevGraphError
+        from devgraph import DevGraphError
         from devgraph.testing import run_check
 
         try:

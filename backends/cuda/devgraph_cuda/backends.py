@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from devgraph.errors import BackendUnavailableError
+from devgraph import BackendUnavailableError
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 
 __all__ = ["CudaFullGraphBackend", "CudaBreakableBackend", "CudaTcPiecewiseBackend"]

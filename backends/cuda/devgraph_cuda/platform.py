@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from devgraph.contract.platform import Availability
-from devgraph.errors import CaptureError
+from devgraph import Availability, CaptureError
 from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
 from devgraph.platforms.torch_cuda import TorchCudaGraphPlatform
 

@@ -29,8 +29,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from devgraph.contract.platform import Availability
-from devgraph.errors import BackendUnavailableError
+from devgraph import Availability, BackendUnavailableError
 
 __all__ = [
     "TorchNpuUnavailable",

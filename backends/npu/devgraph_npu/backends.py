@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from devgraph.contract.inputs import StaticInput
-from devgraph.contract.keys import GraphKey
-from devgraph.errors import ConfigError, ReplayError
+from devgraph import ConfigError, GraphKey, ReplayError, StaticInput
 from devgraph.strategies import FullGraphBackend
 from devgraph.strategies.full import FullEntry
 

@@ -9,8 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
-from devgraph.errors import CaptureError
+from devgraph import Availability, CaptureError, DeviceGraph, GraphPlatform
 from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
 from devgraph_npu import _torch_npu as api
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from devgraph.contract.keys import GraphKey
-from devgraph.contract.platform import Availability, GraphPlatform
-from devgraph.errors import BackendUnavailableError, CaptureError
+from devgraph import Availability, BackendUnavailableError, CaptureError, GraphKey, GraphPlatform
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 
 __all__ = ["RocmFullGraphBackend", "RocmTcPiecewiseBackend", "RocmBreakableBackend", "BREAKABLE_REFUSED"]

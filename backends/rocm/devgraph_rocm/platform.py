@@ -18,8 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from devgraph.contract.platform import Availability
-from devgraph.errors import CaptureError
+from devgraph import Availability, CaptureError
 from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
 from devgraph.platforms.torch_cuda import TorchCudaGraphPlatform
 

@@ -6,7 +6,7 @@ Core devgraph knows nothing about ROCm; this rule is how the ROCm plug-in tells 
 
 from __future__ import annotations
 
-from devgraph.registry.rules import CompatibilityRule
+from devgraph import CompatibilityRule
 
 __all__ = ["ROCM_NO_BREAKABLE", "ROCM_RULES"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.integrations.hf.features import check_cache_layer, unsupported
 from devgraph.integrations.hf.lib import transformers
 

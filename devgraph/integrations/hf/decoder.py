@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.inputs import StaticInput
-from devgraph.errors import ConfigError
-from devgraph.flag.config import DeviceGraphConfig
+from devgraph import CaptureReport, ConfigError, DeviceGraphConfig, GraphRunner, StaticInput
 from devgraph.integrations.hf.cache import SharedStaticCache
 from devgraph.integrations.hf.fast import DecodeRegions, FastPath, resolve_windows
 from devgraph.integrations.hf.lib import transformers
@@ -26,8 +24,6 @@ from devgraph.integrations.hf.support import (
     route_generate,
 )
 from devgraph.messages import shorten
-from devgraph.runner.capture.loop import CaptureReport
-from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = ["DevgraphDecoder"]
 

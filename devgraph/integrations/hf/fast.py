@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.platform import GraphPlatform
-from devgraph.errors import ConfigError
+from devgraph import ConfigError, GraphPlatform
 from devgraph.integrations.hf.lib import transformers
 from devgraph.integrations.hf.patching import (
     active_regions,

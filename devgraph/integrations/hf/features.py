@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.integrations.hf.lib import SUPPORTED, installed_version, transformers
 
 __all__ = ["CACHE_ARGUMENTS", "ModelFeatures", "check_cache_layer", "find_features", "unsupported"]

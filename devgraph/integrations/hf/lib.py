@@ -13,7 +13,7 @@ import logging
 import re
 from types import ModuleType
 
-from devgraph.errors import BackendUnavailableError
+from devgraph import BackendUnavailableError
 
 __all__ = [
     "INSTALL_HINT",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import InputError
+from devgraph import InputError
 from devgraph.integrations.hf.features import ModelFeatures
 from devgraph.integrations.hf.lib import transformers
 from devgraph.integrations.hf.support import GRAPH_MODES

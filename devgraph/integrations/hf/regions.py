@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.platform import GraphPlatform
+from devgraph import GraphPlatform
 from devgraph.strategies.adaptive import AdaptiveCompile
 from devgraph.strategies.compiling import inductor_compile
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.integrations.hf.features import CACHE_ARGUMENTS, ModelFeatures, find_features
 from devgraph.messages import shorten
 

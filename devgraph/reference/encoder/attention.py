@@ -15,8 +15,7 @@
 import torch
 import torch.nn.functional as F
 
-from devgraph.contract.breaks import graph_break
-from devgraph.contract.context import get_forward_context
+from devgraph import get_forward_context, graph_break
 from devgraph.reference.kernels import attention_backend, torch_ref
 
 __all__ = ["IMAGE_ATTENTION_OP_NAME", "image_sdpa", "varlen_image_attention"]

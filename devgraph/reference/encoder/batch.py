@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.messages import shorten
 from devgraph.reference.encoder.model import VisionEncoder
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.messages import shorten
 from devgraph.reference.config_rules import check_kernels, check_positive_ints, preset_values
 

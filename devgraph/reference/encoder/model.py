@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devgraph.contract.context import is_capturing
-from devgraph.errors import CaptureError, InputError
+from devgraph import CaptureError, InputError, is_capturing
 from devgraph.reference.encoder.attention import image_sdpa, varlen_image_attention
 from devgraph.reference.encoder.config import VisionConfig
 from devgraph.reference.model import draw_weight, rotate

@@ -7,14 +7,11 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.inputs import StaticInput
-from devgraph.contract.keys import REQUESTS, GraphKey
-from devgraph.errors import ConfigError
+from devgraph import REQUESTS, ConfigError, GraphKey, GraphRunner, StaticInput
 from devgraph.flag.sizes import MAX_SIZE_COUNT
 from devgraph.messages import shorten
 from devgraph.reference.encoder.batch import ImageBatch
 from devgraph.reference.encoder.model import VisionEncoder
-from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = [
     "DEFAULT_MAX_IMAGES",

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from devgraph.errors import BackendUnavailableError, ConfigError
+from devgraph import BackendUnavailableError, ConfigError
 from devgraph.extras import install_hint, missing_extra
 from devgraph.messages import shorten
 from devgraph.reference.kernels import torch_ref

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from devgraph.errors import InputError
+from devgraph import InputError
 from devgraph.messages import shorten
 
 __all__ = [

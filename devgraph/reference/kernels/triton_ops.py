@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from devgraph.errors import InputError
+from devgraph import InputError
 from devgraph.reference.kernels import torch_ref
 from devgraph.reference.kernels.checks import check_decode, check_prefill, check_varlen, check_write
 from devgraph.reference.kernels.triton_kernels import (

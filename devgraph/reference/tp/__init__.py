@@ -16,10 +16,10 @@ See docs/tensor-parallel.md.
 
 from typing import Any
 
+from devgraph import GraphRunner
 from devgraph.reference.runners import decode_runner, prefill_runner
 from devgraph.reference.tp.comm import COMM_MODES, TPComm
 from devgraph.reference.tp.model import TPDecoderLayer, TPReferenceModel
-from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = [
     "COMM_MODES",

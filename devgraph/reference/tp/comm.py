@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.platforms.sim.graph import record_opaque
 
 __all__ = ["COMM_MODES", "TPComm"]
