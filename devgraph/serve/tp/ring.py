@@ -1,0 +1,317 @@
+"""A ring of message slots in shared memory: one writer (rank 0), a few readers (the other ranks), one host.
+
+Why shared memory: a tensor-parallel step must reach every rank before any of them can launch it, so the
+hand-over is on every step's critical path. A pickle broadcast over a gloo socket costs a few hundred
+microseconds; a copy into memory every rank maps, and a flag the readers poll, costs a few.
+
+The ring is one file in ``/dev/shm`` (the temporary directory where there is none) that every rank maps;
+rank 0 removes its name once every reader has mapped it, so a crash leaves nothing behind. Layout::
+
+    control (128 bytes): magic, slots, capacity, readers, the writer's pid, its heartbeat (monotonic
+                         seconds), a closed flag; one "attached" byte per reader at offset 64
+    slot i (128 + capacity bytes): a "written" byte and one "read" byte per reader (offset 0); the
+                         publish time (float64, offset 64); chunk length, more-follows, message length,
+                         sequence number (offset 72); the chunk (offset 128)
+
+Per slot, as in vLLM's shared-memory broadcast: the writer waits until the slot is free (never written,
+or every reader has read it), clears "written", clears the read bytes, copies the chunk, sets "written";
+a reader waits until "written" is set and its read byte is clear, copies the chunk out, sets its read
+byte. Writer and readers walk the slots in the same order, so these flags are all the synchronisation
+there is; a full memory barrier (a lock's acquire and release) separates the data from the flags, for
+CPUs that reorder stores (Arm; x86 does not). The flags are single bytes and the times aligned 8-byte
+fields written in one store, so no reader sees half of a value. A message longer than a slot goes in
+consecutive slots.
+
+Waiting spins, then sleeps: while messages came within the last :data:`SPIN_S` seconds the waiter polls
+with ``sched_yield`` (a decode step is a few milliseconds, so under load a message is seen within a
+microsecond or two of its publication); after that it sleeps in steps doubling up to :data:`MAX_SLEEP_S`
+(an idle server burns no core; vLLM's readers spin for a whole second after each message, which its users
+on shared-power machines asked to shorten). Every :data:`CHECK_S` of waiting the caller's ``check`` runs:
+it raises to give up (the other side is gone).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["CHECK_S", "MAX_SLEEP_S", "SPIN_S", "RingReader", "RingWriter", "ring_directory"]
+
+#: Seconds of busy-polling after the last message before a waiter starts to sleep.
+SPIN_S = 0.05
+#: The longest sleep between two polls once idle (the latency of the first message after a pause).
+MAX_SLEEP_S = 0.002
+MIN_SLEEP_S = 0.00005
+#: Seconds between two calls of a waiter's ``check`` (is the other side still there?).
+CHECK_S = 0.01
+
+_MAGIC = b"DGTPRING"
+_CONTROL_BYTES = 128
+_ATTACHED_AT = 64
+_SLOT_HEAD = 128
+_TIME_AT = 64
+_META_AT = 72
+_META = struct.Struct("<IIQQ")  # chunk bytes, more chunks follow (0/1), message bytes, sequence number
+_MAX_READERS = 63  # one read byte each in the slot's first cache line, after the written byte
+
+
+class _Control(ctypes.Structure):
+    _fields_ = [
+        ("magic", ctypes.c_char * 8),
+        ("slots", ctypes.c_uint32),
+        ("capacity", ctypes.c_uint32),
+        ("readers", ctypes.c_uint32),
+        ("writer_pid", ctypes.c_uint32),
+        ("heartbeat", ctypes.c_double),
+        ("closed", ctypes.c_uint8),
+    ]
+
+
+_BARRIER = threading.Lock()
+
+
+def _barrier() -> None:
+    """A full memory barrier: acquiring and releasing a lock is an atomic read-modify-write plus fences."""
+    _BARRIER.acquire()
+    _BARRIER.release()
+
+
+def ring_directory() -> Path:
+    """Where ring files live: ``/dev/shm`` (memory, never disk), else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class _Mapped:
+    """The mapped file and the views both ends use."""
+
+    def __init__(self, path: Path, size: int | None) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if size is not None:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size or 0)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.view = memoryview(self.map)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.base = ctypes.addressof(self._anchor)
+        self.control = _Control.from_buffer(self.map)
+        if size is not None:
+            self.control.magic = _MAGIC
+        elif self.control.magic != _MAGIC:
+            self.close()
+            raise ValueError(f"{path} is not a devgraph step ring")
+        self.slots = int(self.control.slots)
+        self.capacity = int(self.control.capacity)
+        self.readers = int(self.control.readers)
+        self._times: list[ctypes.c_double] = []
+
+    def configure(self, slots: int, capacity: int, readers: int) -> None:
+        self.slots, self.capacity, self.readers = slots, capacity, readers
+        self.control.slots, self.control.capacity, self.control.readers = slots, capacity, readers
+
+    def slot(self, index: int) -> int:
+        return _CONTROL_BYTES + index * (_SLOT_HEAD + self.capacity)
+
+    def publish_time(self, index: int) -> ctypes.c_double:
+        if not self._times:
+            self._times = [
+                ctypes.c_double.from_buffer(self.map, self.slot(i) + _TIME_AT) for i in range(self.slots)
+            ]
+        return self._times[index]
+
+    def close(self) -> None:
+        # The ctypes views export the map's buffer: drop them before closing it.
+        self._times = []
+        del self.control, self._anchor
+        self.view.release()
+        self.map.close()
+
+
+def _free(view: memoryview, flags: int, read: slice, done: bytes) -> bool:
+    """Is the slot at ``flags`` free: never written, or read by every reader?"""
+    return view[flags] == 0 or bytes(view[read]) == done
+
+
+def _posted(view: memoryview, flags: int, mine: int) -> bool:
+    """Is the slot at ``flags`` written and not yet read by the reader whose byte is ``mine``?"""
+    return view[flags] == 1 and view[mine] == 0
+
+
+def _wait(ready: Callable[[], bool], last: float, check: Callable[[], None]) -> None:
+    """Return once ``ready()``; spin while the last message is recent, then sleep; ``check`` every CHECK_S."""
+    if ready():
+        return
+    now = time.monotonic()
+    spin_until, next_check, pause = last + SPIN_S, now + CHECK_S, MIN_SLEEP_S
+    while not ready():
+        now = time.monotonic()
+        if now >= next_check:
+            check()
+            next_check = now + CHECK_S
+        if now < spin_until:
+            os.sched_yield()
+        else:
+            time.sleep(pause)
+            pause = min(2 * pause, MAX_SLEEP_S)
+
+
+class RingWriter:
+    """Rank 0's end: creates the ring file; :meth:`write` copies one message in (chunked when long)."""
+
+    def __init__(self, readers: int, slots: int = 16, capacity: int = 256 << 10) -> None:
+        if not 1 <= readers <= _MAX_READERS:
+            raise ValueError(f"a step ring has 1..{_MAX_READERS} readers, got {readers}")
+        capacity = -(-capacity // 64) * 64
+        path = ring_directory() / f"devgraph-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._mapped = _Mapped(path, _CONTROL_BYTES + slots * (_SLOT_HEAD + capacity))
+        self._mapped.configure(slots, capacity, readers)
+        self._mapped.control.writer_pid = os.getpid()
+        self.beat()
+        self.path = path
+        self.readers = readers
+        self._next = 0
+        self._last = 0.0
+        self._lock = threading.Lock()
+        self._unlinked = False
+        self._done = bytes([1]) * readers
+
+    @property
+    def sequence(self) -> int:
+        """Chunks written so far."""
+        return self._next
+
+    def beat(self) -> None:
+        """Record that rank 0 is alive (readers give up after a long silence)."""
+        self._mapped.control.heartbeat = time.monotonic()
+
+    def attached(self) -> bool:
+        """Has every reader mapped the ring?"""
+        view = self._mapped.view
+        return bytes(view[_ATTACHED_AT : _ATTACHED_AT + self.readers]) == self._done
+
+    def unlink(self) -> None:
+        """Remove the file's name (the mappings stay valid); a later crash then leaves nothing behind."""
+        if not self._unlinked:
+            self._unlinked = True
+            self.path.unlink(missing_ok=True)
+
+    def write(self, data: torch.Tensor, check: Callable[[], None]) -> None:
+        """Copy ``data`` (a contiguous CPU uint8 tensor) in; ``check`` runs while the ring is full."""
+        with self._lock:
+            mapped, view = self._mapped, self._mapped.view
+            total, source, done = int(data.numel()), int(data.data_ptr()), 0
+            while True:
+                count = min(mapped.capacity, total - done)
+                index = self._next % mapped.slots
+                flags = mapped.slot(index)
+                read = slice(flags + 1, flags + 1 + self.readers)
+                _wait(functools.partial(_free, view, flags, read, self._done), self._last, check)
+                view[flags] = 0
+                _barrier()
+                view[read] = bytes(self.readers)
+                ctypes.memmove(mapped.base + flags + _SLOT_HEAD, source + done, count)
+                more = int(done + count < total)
+                _META.pack_into(view, flags + _META_AT, count, more, total, self._next)
+                mapped.publish_time(index).value = time.monotonic()
+                _barrier()
+                view[flags] = 1
+                self._next += 1
+                done += count
+                if not more:
+                    break
+            self._last = time.monotonic()
+
+    def unread(self, older_than_s: float) -> dict[int, int]:
+        """Readers that have not read a chunk published more than ``older_than_s`` ago: reader -> the
+        chunk's sequence number. A slot being rewritten can look stale for an instant: callers confirm
+        a finding on a second look (the same sequence number)."""
+        mapped, view, now = self._mapped, self._mapped.view, time.monotonic()
+        late: dict[int, int] = {}
+        for index in range(mapped.slots):
+            flags = mapped.slot(index)
+            if view[flags] != 1 or now - mapped.publish_time(index).value < older_than_s:
+                continue
+            sequence = _META.unpack_from(view, flags + _META_AT)[3]
+            for reader in range(self.readers):
+                if view[flags + 1 + reader] == 0:
+                    late[reader] = min(late.get(reader, sequence), sequence)
+        return late
+
+    def close(self) -> None:
+        """Tell the readers the ring is closed, remove the file, unmap it (not while a write still waits
+        for a reader: the mapping then lives until the process exits)."""
+        if getattr(self._mapped, "control", None) is None:
+            return
+        self._mapped.control.closed = 1
+        self.unlink()
+        if self._lock.acquire(timeout=1.0):
+            try:
+                self._mapped.close()
+            finally:
+                self._lock.release()
+
+
+class RingReader:
+    """Reader ``reader``'s end (0-based: rank ``reader + 1``): maps the file rank 0 created."""
+
+    def __init__(self, path: Path | str, reader: int) -> None:
+        self._mapped = _Mapped(Path(path), None)
+        if not 0 <= reader < self._mapped.readers:
+            readers = self._mapped.readers
+            self._mapped.close()
+            raise ValueError(f"reader {reader} of a ring with {readers} readers")
+        self.reader = reader
+        self.writer_pid = int(self._mapped.control.writer_pid)
+        self._next = 0
+        self._last = 0.0
+        self._mapped.view[_ATTACHED_AT + reader] = 1
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._mapped.control.closed)
+
+    def heartbeat_age(self) -> float:
+        """Seconds since rank 0 last recorded that it is alive."""
+        return time.monotonic() - float(self._mapped.control.heartbeat)
+
+    def read(self, allocate: Callable[[int], torch.Tensor], check: Callable[[], None]) -> torch.Tensor:
+        """The next message, copied into ``allocate(length)`` (a contiguous CPU uint8 tensor)."""
+        mapped, view = self._mapped, self._mapped.view
+        out: torch.Tensor | None = None
+        done = 0
+        while True:
+            index = self._next % mapped.slots
+            flags = mapped.slot(index)
+            mine = flags + 1 + self.reader
+            _wait(functools.partial(_posted, view, flags, mine), self._last, check)
+            _barrier()
+            count, more, total, _ = _META.unpack_from(view, flags + _META_AT)
+            if out is None:
+                out = allocate(total)
+            ctypes.memmove(int(out.data_ptr()) + done, mapped.base + flags + _SLOT_HEAD, count)
+            _barrier()
+            view[mine] = 1
+            self._next += 1
+            done += count
+            if not more:
+                self._last = time.monotonic()
+                return out
+
+    def close(self) -> None:
+        if getattr(self._mapped, "control", None) is not None:
+            self._mapped.close()
