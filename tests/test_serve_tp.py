@@ -9,6 +9,7 @@ the in-flight request end with an error and the server exit 1 with a message nam
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -65,21 +66,23 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture
 def servers(
-    checkpoint_dirs: dict[str, Path], request: pytest.FixtureRequest
+    checkpoint_dirs: dict[str, Path], request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[dict[str, ServerProcess]]:
+    """The single-process server and the ``--tp 2`` one, whose rank 0 records its step timeline."""
     device, family = request.param
     flags = ["--model", str(checkpoint_dirs[family]), "--device", device, *COMMON]
     started: dict[str, ServerProcess] = {}
     try:
         started["single"] = ServerProcess(*flags)
-        started["tp"] = ServerProcess(*flags, "--tp", "2")
+        timeline = {"DEVGRAPH_STEP_TIMELINE": str(tmp_path / "timeline.json")}
+        started["tp"] = ServerProcess(*flags, "--tp", "2", env=timeline)
         yield started
     finally:
         for server in started.values():
             server.stop()
 
 
-def _check_equal_then_stop(servers: dict[str, ServerProcess]) -> None:
+def _check_equal_then_stop(servers: dict[str, ServerProcess], timeline: Path) -> None:
     single, tp = servers["single"], servers["tp"]
     expected = _greedy(single, PROMPTS)
     assert all(len(tokens) == NEW_TOKENS for tokens in expected)
@@ -88,19 +91,29 @@ def _check_equal_then_stop(servers: dict[str, ServerProcess]) -> None:
     assert len(workers) == 1
     assert tp.stop() == 0
     assert all(_gone(pid) for pid in workers), "SIGTERM on rank 0 left a worker running"
+    # Every step after the warm-up, written at exit: prefill (and mixed) steps, then decodes; one step
+    # at least per token of the longest request.
+    steps = json.loads(timeline.read_text())["steps"]
+    assert {s["phase"] for s in steps} == {"prefill", "decode"}
+    assert len(steps) >= NEW_TOKENS
+    assert all(s["device_end_ms"] >= s["device_start_ms"] for s in steps)
 
 
 @pytest.mark.parametrize("servers", [("cpu", "llama")], indirect=True, ids=["llama"])
-def test_tp2_greedy_tokens_equal_the_single_process_server(servers: dict[str, ServerProcess]) -> None:
-    _check_equal_then_stop(servers)
+def test_tp2_greedy_tokens_equal_the_single_process_server(
+    servers: dict[str, ServerProcess], tmp_path: Path
+) -> None:
+    _check_equal_then_stop(servers, tmp_path / "timeline.json")
 
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize(
     "servers", [("cuda", "llama"), ("cuda", "qwen3")], indirect=True, ids=["llama", "qwen3"]
 )
-def test_tp2_on_two_gpus_greedy_tokens_equal_one_gpu(servers: dict[str, ServerProcess]) -> None:
-    _check_equal_then_stop(servers)
+def test_tp2_on_two_gpus_greedy_tokens_equal_one_gpu(
+    servers: dict[str, ServerProcess], tmp_path: Path
+) -> None:
+    _check_equal_then_stop(servers, tmp_path / "timeline.json")
 
 
 def _stream_until_end(server: ServerProcess, started: list[float]) -> dict[str, Any]:

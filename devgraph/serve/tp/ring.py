@@ -7,8 +7,9 @@ microseconds; a copy into memory every rank maps, and a flag the readers poll, c
 The ring is one file in ``/dev/shm`` (the temporary directory where there is none) that every rank maps;
 rank 0 removes its name once every reader has mapped it, so a crash leaves nothing behind. Layout::
 
-    control (128 bytes): magic, slots, capacity, readers, the writer's pid, its heartbeat (monotonic
-                         seconds), a closed flag; one "attached" byte per reader at offset 64
+    control (256 bytes): magic, slots, capacity, readers, the writer's pid, its heartbeat (monotonic
+                         seconds), a closed flag; one "attached" byte per reader at offset 64, one
+                         "parked" byte per reader at offset 128
     slot i (128 + capacity bytes): a "written" byte and one "read" byte per reader (offset 0); the
                          publish time (float64, offset 64); chunk length, more-follows, message length,
                          sequence number (offset 72); the chunk (offset 128)
@@ -22,20 +23,27 @@ CPUs that reorder stores (Arm; x86 does not). The flags are single bytes and the
 fields written in one store, so no reader sees half of a value. A message longer than a slot goes in
 consecutive slots.
 
-Waiting spins, then sleeps: while messages came within the last :data:`SPIN_S` seconds the waiter polls
-with ``sched_yield`` (a decode step is a few milliseconds, so under load a message is seen within a
-microsecond or two of its publication); after that it sleeps in steps doubling up to :data:`MAX_SLEEP_S`
-(an idle server burns no core; vLLM's readers spin for a whole second after each message, which its users
-on shared-power machines asked to shorten). Every :data:`CHECK_S` of waiting the caller's ``check`` runs:
-it raises to give up (the other side is gone).
+Waiting: a reader polls with ``sched_yield`` while messages came within the last ``spin_s`` seconds
+(:data:`SPIN_S`, ``$DEVGRAPH_TP_SPIN_S``): under load it sees a message a microsecond or two after its
+publication, even after a long prefill step. Then it parks (Linux): it sets its "parked" byte and blocks
+on a datagram socket of its own in the abstract namespace, which the writer rings after a publication
+that finds the byte set; the kernel wakes it within microseconds, and an idle server burns no core.
+Elsewhere it sleeps in steps doubling up to :data:`MAX_SLEEP_S`. On a host with more runnable threads
+than cores, a spinning reader can lose the CPU for a whole time slice while a parked one is woken at
+once: ``DEVGRAPH_TP_SPIN_S=0`` parks right away. (vLLM's readers spin for a second after each message;
+its users on machines where CPU and GPU share a power budget asked for less.) Every :data:`CHECK_S` of
+waiting the caller's ``check`` runs: it raises to give up (the other side is gone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
 import os
+import select
+import socket
 import struct
 import tempfile
 import threading
@@ -46,10 +54,20 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHECK_S", "MAX_SLEEP_S", "SPIN_S", "RingReader", "RingWriter", "ring_directory"]
+__all__ = [
+    "CHECK_S",
+    "MAX_SLEEP_S",
+    "SPIN_ENV",
+    "SPIN_S",
+    "RingReader",
+    "RingWriter",
+    "ring_directory",
+    "spin_seconds",
+]
 
-#: Seconds of busy-polling after the last message before a waiter starts to sleep.
-SPIN_S = 0.05
+#: Seconds of busy-polling after the last message before a waiter starts to sleep (longer than any step).
+SPIN_S = 0.5
+SPIN_ENV = "DEVGRAPH_TP_SPIN_S"
 #: The longest sleep between two polls once idle (the latency of the first message after a pause).
 MAX_SLEEP_S = 0.002
 MIN_SLEEP_S = 0.00005
@@ -57,8 +75,9 @@ MIN_SLEEP_S = 0.00005
 CHECK_S = 0.01
 
 _MAGIC = b"DGTPRING"
-_CONTROL_BYTES = 128
+_CONTROL_BYTES = 256
 _ATTACHED_AT = 64
+_PARKED_AT = 128
 _SLOT_HEAD = 128
 _TIME_AT = 64
 _META_AT = 72
@@ -152,12 +171,26 @@ def _posted(view: memoryview, flags: int, mine: int) -> bool:
     return view[flags] == 1 and view[mine] == 0
 
 
-def _wait(ready: Callable[[], bool], last: float, check: Callable[[], None]) -> None:
-    """Return once ``ready()``; spin while the last message is recent, then sleep; ``check`` every CHECK_S."""
+def spin_seconds() -> float:
+    """``$DEVGRAPH_TP_SPIN_S`` (seconds, >= 0) or :data:`SPIN_S`."""
+    try:
+        return max(0.0, float(os.environ.get(SPIN_ENV, "") or SPIN_S))
+    except ValueError:
+        return SPIN_S
+
+
+def _wait(
+    ready: Callable[[], bool],
+    spin_until: float,
+    check: Callable[[], None],
+    park: Callable[[Callable[[], bool]], None] | None = None,
+) -> None:
+    """Return once ``ready()``: spin until ``spin_until``, then ``park`` (block until woken, at most
+    CHECK_S) or sleep in growing steps; ``check()`` every CHECK_S."""
     if ready():
         return
     now = time.monotonic()
-    spin_until, next_check, pause = last + SPIN_S, now + CHECK_S, MIN_SLEEP_S
+    next_check, pause = now + CHECK_S, MIN_SLEEP_S
     while not ready():
         now = time.monotonic()
         if now >= next_check:
@@ -165,9 +198,42 @@ def _wait(ready: Callable[[], bool], last: float, check: Callable[[], None]) -> 
             next_check = now + CHECK_S
         if now < spin_until:
             os.sched_yield()
+        elif park is not None:
+            park(ready)
         else:
             time.sleep(pause)
             pause = min(2 * pause, MAX_SLEEP_S)
+
+
+def _bell_address(path: Path, reader: int) -> str:
+    """Reader ``reader``'s doorbell: an abstract Unix socket name (no file), unique to the ring."""
+    return f"\0{path.name}-{reader}"
+
+
+class _Doorbell:
+    """What a reader blocks on once it stops spinning: a datagram socket in Linux's abstract namespace. The
+    writer rings it after a publication when the reader's "parked" byte is set; the kernel wakes the reader
+    at once (a sleeping poller would wake late, and a spinning one loses the CPU on a crowded host)."""
+
+    def __init__(self, address: str) -> None:
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self.socket.bind(address)
+        except OSError:
+            self.socket.close()
+            raise
+        self.socket.setblocking(False)
+
+    def wait(self, timeout: float) -> None:
+        select.select([self.socket], [], [], timeout)
+        try:
+            while self.socket.recv(64):
+                pass
+        except OSError:  # drained
+            pass
+
+    def close(self) -> None:
+        self.socket.close()
 
 
 class RingWriter:
@@ -189,6 +255,9 @@ class RingWriter:
         self._lock = threading.Lock()
         self._unlinked = False
         self._done = bytes([1]) * readers
+        self._awake = bytes(readers)
+        self._bell: socket.socket | None = None
+        self.spin_s = spin_seconds()
 
     @property
     def sequence(self) -> int:
@@ -220,7 +289,9 @@ class RingWriter:
                 index = self._next % mapped.slots
                 flags = mapped.slot(index)
                 read = slice(flags + 1, flags + 1 + self.readers)
-                _wait(functools.partial(_free, view, flags, read, self._done), self._last, check)
+                _wait(
+                    functools.partial(_free, view, flags, read, self._done), self._last + self.spin_s, check
+                )
                 view[flags] = 0
                 _barrier()
                 view[read] = bytes(self.readers)
@@ -230,11 +301,26 @@ class RingWriter:
                 mapped.publish_time(index).value = time.monotonic()
                 _barrier()
                 view[flags] = 1
+                _barrier()  # the written byte before the parked bytes: no reader parks unseen
+                if view[_PARKED_AT : _PARKED_AT + self.readers] != self._awake:
+                    self._ring_parked()
                 self._next += 1
                 done += count
                 if not more:
                     break
             self._last = time.monotonic()
+
+    def _ring_parked(self) -> None:
+        """Wake every reader that sleeps on its doorbell (a lost datagram only delays it by CHECK_S)."""
+        if self._bell is None:
+            self._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._bell.setblocking(False)
+        view = self._mapped.view
+        for reader in range(self.readers):
+            if view[_PARKED_AT + reader]:
+                # No doorbell (not Linux) or a full queue: that reader wakes within CHECK_S anyway.
+                with contextlib.suppress(OSError):
+                    self._bell.sendto(b"\1", _bell_address(self.path, reader))
 
     def unread(self, older_than_s: float) -> dict[int, int]:
         """Readers that have not read a chunk published more than ``older_than_s`` ago: reader -> the
@@ -259,6 +345,8 @@ class RingWriter:
             return
         self._mapped.control.closed = 1
         self.unlink()
+        if self._bell is not None:
+            self._bell.close()
         if self._lock.acquire(timeout=1.0):
             try:
                 self._mapped.close()
@@ -279,6 +367,11 @@ class RingReader:
         self.writer_pid = int(self._mapped.control.writer_pid)
         self._next = 0
         self._last = 0.0
+        self.spin_s = spin_seconds()
+        try:
+            self._bell: _Doorbell | None = _Doorbell(_bell_address(Path(path), reader))
+        except OSError:  # no abstract sockets here: sleep in short steps once idle
+            self._bell = None
         self._mapped.view[_ATTACHED_AT + reader] = 1
 
     @property
@@ -298,7 +391,8 @@ class RingReader:
             index = self._next % mapped.slots
             flags = mapped.slot(index)
             mine = flags + 1 + self.reader
-            _wait(functools.partial(_posted, view, flags, mine), self._last, check)
+            ready = functools.partial(_posted, view, flags, mine)
+            _wait(ready, self._last + self.spin_s, check, self._park if self._bell is not None else None)
             _barrier()
             count, more, total, _ = _META.unpack_from(view, flags + _META_AT)
             if out is None:
@@ -312,6 +406,19 @@ class RingReader:
                 self._last = time.monotonic()
                 return out
 
+    def _park(self, ready: Callable[[], bool]) -> None:
+        """Sleep on the doorbell until the writer rings it (or CHECK_S passes)."""
+        assert self._bell is not None
+        view, parked = self._mapped.view, _PARKED_AT + self.reader
+        view[parked] = 1
+        _barrier()  # the parked byte before the last look: the writer sees it, or this look sees the data
+        if not ready():
+            self._bell.wait(CHECK_S)
+        view[parked] = 0
+
     def close(self) -> None:
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
         if getattr(self._mapped, "control", None) is not None:
             self._mapped.close()
