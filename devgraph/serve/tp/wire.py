@@ -38,6 +38,7 @@ TRIM_MIN_BYTES = 64 << 10
 _MAGIC = b"DGTS"
 _VERSION = 1
 _HEADER = struct.Struct("<4sHH16sQ")
+_STEP, _STEP_AT = struct.Struct("<Q"), 24  # the header's step number
 _ARRAY = struct.Struct("<24sBBBx4IIQ")
 _ALIGN = 64
 _INPUT, _CONTEXT = 0, 1
@@ -65,18 +66,21 @@ class _Array(NamedTuple):
     role: int
     offset: int  # into the buffer
     nbytes: int
+    strides: tuple[int, ...]  # contiguous, of the shape as sent
 
 
 def _aligned(offset: int) -> int:
     return -(-offset // _ALIGN) * _ALIGN
 
 
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
+def _array(
+    name: str, dtype: torch.dtype, shape: tuple[int, ...], full: int, role: int, offset: int
+) -> _Array:
+    strides, elements = [], 1
     for dim in reversed(shape):
-        strides.append(step)
-        step *= dim
-    return tuple(reversed(strides))
+        strides.append(elements)
+        elements *= dim
+    return _Array(name, dtype, shape, full, role, offset, elements * dtype.itemsize, tuple(reversed(strides)))
 
 
 def _bytes_view(buffer: torch.Tensor) -> memoryview:
@@ -96,22 +100,21 @@ class StepMessage:
 
     def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The step's input tensors on ``device``: views of the buffer on the CPU; on a GPU views of one
-        device copy of the payload (non-blocking: the buffer is pinned)."""
-        inputs = [a for a in self.arrays if a.role == _INPUT]
-        if not inputs:
-            return {}
-        start = inputs[0].offset  # the inputs come first, in order
-        region = self.buffer[start:]
+        device copy of the message (non-blocking: the buffer is pinned; the header's few hundred bytes
+        cross too, which costs less than cutting them off)."""
+        region = self.buffer
         if device.type != "cpu":
             region = region.to(device, non_blocking=region.is_pinned())
         typed: dict[torch.dtype, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
-        for array in inputs:
+        for array in self.arrays:
+            if array.role != _INPUT:
+                continue
             whole = typed.get(array.dtype)
             if whole is None:
                 whole = typed[array.dtype] = region.view(array.dtype)
-            first = whole.storage_offset() + (array.offset - start) // array.dtype.itemsize
-            tensor = whole.as_strided(array.shape, _strides(array.shape), first)
+            first = whole.storage_offset() + array.offset // array.dtype.itemsize
+            tensor = whole.as_strided(array.shape, array.strides, first)
             if array.shape and array.shape[-1] < array.full:
                 tensor = torch.nn.functional.pad(tensor, (0, array.full - array.shape[-1]))
             out[array.name] = tensor
@@ -140,58 +143,74 @@ def encode_step(
     one buffer. ``columns``: name -> how many leading columns of that 2-D input the step reads; the rest
     (which must be zeros) stay off the wire when that saves :data:`TRIM_MIN_BYTES` or more (a strided copy
     costs more than copying a few kilobytes whole). ``pin``: a pinned buffer (the step goes to a GPU)."""
-    plan: list[tuple[_Array, Any]] = []
-    offset = _aligned(_HEADER.size + _ARRAY.size * (len(inputs) + len(_CONTEXT_FIELDS)))
+    values: list[Any] = []
+    signature: list[tuple[Any, ...]] = []
     for name, tensor in inputs.items():
         if not tensor.is_cpu:
             tensor = tensor.cpu()  # correct, not fast: the engine hands host tensors to a TP forward
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        shape, dtype, nbytes = tuple(tensor.shape), tensor.dtype, tensor.nbytes
-        if len(shape) > 4 or dtype not in _CODES:
-            raise TypeError(f"step input {name}: {dtype} of {len(shape)} dims cannot go on the wire")
+        shape, dtype = tuple(tensor.shape), tensor.dtype
         full = shape[-1] if shape else 0
         if columns and name in columns and len(shape) == 2:
             kept = max(0, min(columns[name], full))
-            saved = shape[0] * (full - kept) * dtype.itemsize
-            if saved >= TRIM_MIN_BYTES:
-                tensor, shape, nbytes = tensor[:, :kept], (shape[0], kept), nbytes - saved
-        plan.append((_Array(name, dtype, shape, full, _INPUT, offset, nbytes), tensor))
-        offset = _aligned(offset + nbytes)
-    for name in _CONTEXT_FIELDS:
-        value = getattr(context, name, None) if context is not None else None
-        if value is None:
-            continue
-        plan.append(
-            (_Array(name, torch.int64, (len(value),), len(value), _CONTEXT, offset, 8 * len(value)), value)
-        )
-        offset = _aligned(offset + 8 * len(value))
-    buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
-    view = _bytes_view(buffer)
-    _HEADER.pack_into(view, 0, _MAGIC, _VERSION, len(plan), kind.encode(), step)
+            if shape[0] * (full - kept) * dtype.itemsize >= TRIM_MIN_BYTES:
+                tensor, shape = tensor[:, :kept], (shape[0], kept)
+        signature.append((name, dtype, shape, full))
+        values.append(tensor)
+    if context is not None:
+        for name in _CONTEXT_FIELDS:
+            value = getattr(context, name)
+            if value is not None:
+                signature.append((name, None, (len(value),), len(value)))
+                values.append(value)
+    header, arrays, size = _plan(kind, tuple(signature))
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
     base = int(buffer.data_ptr())
-    for i, (array, value) in enumerate(plan):
-        shape = (*array.shape, *(0,) * (4 - len(array.shape)))
-        _ARRAY.pack_into(
-            view,
-            _HEADER.size + i * _ARRAY.size,
-            array.name.encode(),
-            _CODES[array.dtype],
-            len(array.shape),
-            array.role,
-            *shape,
-            array.full,
-            array.offset,
-        )
+    ctypes.memmove(base, header, len(header))
+    view = _bytes_view(buffer)
+    _STEP.pack_into(view, _STEP_AT, step)
+    for array, value in zip(arrays, values, strict=True):
         if array.role == _CONTEXT:
             struct.pack_into(f"<{len(value)}q", view, array.offset, *value)
         elif value.is_contiguous():
             ctypes.memmove(base + array.offset, value.data_ptr(), array.nbytes)
         else:  # a column slice: one strided copy into its place
             whole = buffer.view(array.dtype)
-            start = array.offset // array.dtype.itemsize
-            whole.as_strided(array.shape, _strides(array.shape), start).copy_(value)
-    return StepMessage(kind, step, buffer, tuple(a for a, _ in plan))
+            whole.as_strided(array.shape, array.strides, array.offset // array.dtype.itemsize).copy_(value)
+    return StepMessage(kind, step, buffer, arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(kind: str, signature: tuple[tuple[Any, ...], ...]) -> tuple[bytes, tuple[_Array, ...], int]:
+    """The header and descriptors (step number 0), the arrays and the message size for one signature:
+    (name, dtype or None for a context field, shape as sent, full last dim) per array. Cached: a server
+    repeats a few dozen step shapes."""
+    arrays = []
+    offset = _aligned(_HEADER.size + _ARRAY.size * len(signature))
+    for name, dtype, shape, full in signature:
+        role = _INPUT if dtype is not None else _CONTEXT
+        dtype = dtype if dtype is not None else torch.int64
+        if len(shape) > 4 or dtype not in _CODES:
+            raise TypeError(f"step input {name}: {dtype} of {len(shape)} dims cannot go on the wire")
+        arrays.append(_array(name, dtype, shape, full, role, offset))
+        offset = _aligned(offset + arrays[-1].nbytes)
+    header = bytearray(offset if not arrays else arrays[0].offset)
+    _HEADER.pack_into(header, 0, _MAGIC, _VERSION, len(arrays), kind.encode(), 0)
+    for i, array in enumerate(arrays):
+        dims = (*array.shape, *(0,) * (4 - len(array.shape)))
+        _ARRAY.pack_into(
+            header,
+            _HEADER.size + i * _ARRAY.size,
+            array.name.encode(),
+            _CODES[array.dtype],
+            len(array.shape),
+            array.role,
+            *dims,
+            array.full,
+            array.offset,
+        )
+    return bytes(header), tuple(arrays), offset
 
 
 def stop_message(step: int = 0) -> StepMessage:
@@ -219,13 +238,7 @@ def _layout(descriptors: bytes, size: int) -> tuple[_Array, ...]:
     arrays = []
     for at in range(0, len(descriptors), _ARRAY.size):
         name, code, dims, role, *shape, full, offset = _ARRAY.unpack_from(descriptors, at)
-        dtype, sent = _DTYPES[code], tuple(shape[:dims])
-        elements = 1
-        for dim in sent:
-            elements *= dim
-        array = _Array(
-            name.rstrip(b"\0").decode(), dtype, sent, full, role, offset, elements * dtype.itemsize
-        )
+        array = _array(name.rstrip(b"\0").decode(), _DTYPES[code], tuple(shape[:dims]), full, role, offset)
         if array.offset + array.nbytes > size:
             raise ValueError(f"step array {array.name} runs past the end of its message")
         arrays.append(array)
