@@ -130,6 +130,30 @@ def _stream_until_end(server: ServerProcess, started: list[float]) -> dict[str, 
     return result
 
 
+def _kill_the_worker_mid_stream(server: ServerProcess) -> None:
+    """SIGKILL the worker while a long request streams: the request ends with an error event naming the
+    rank, the server exits 1 within seconds (on a GPU rank 0 may be stuck in a collective with the dead
+    rank: it is ended after EXIT_GRACE_S), its log names the rank."""
+    (worker,) = server.workers()
+    started: list[float] = []
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream_until_end, server, started)
+        while not started and not stream.done():
+            time.sleep(0.01)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        result = stream.result(timeout=60)
+    assert started  # the stream had begun (status 200); its last event is the error
+    assert result["error"] is not None, result
+    assert "tensor-parallel rank" in result["error"]["message"]
+    assert result["tokens"] < 200
+    code = server.proc.wait(timeout=60)
+    assert code == 1
+    assert time.monotonic() - killed < 15
+    log = "".join(server.stderr)
+    assert "tensor-parallel rank 1" in log and "exiting (code 1)" in log
+
+
 def test_qwen3_under_tp2_equals_transformers_then_a_killed_worker_stops_it(
     checkpoint_dirs: dict[str, Path],
 ) -> None:
@@ -142,22 +166,19 @@ def test_qwen3_under_tp2_equals_transformers_then_a_killed_worker_stops_it(
     try:
         expected = [greedy.tokens for greedy in hf_greedy(directory, PROMPTS[:2], NEW_TOKENS)]
         assert _greedy(server, PROMPTS[:2]) == expected
-        (worker,) = server.workers()
-        started: list[float] = []
-        with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_stream_until_end, server, started)
-            while not started and not stream.done():
-                time.sleep(0.01)
-            os.kill(worker, signal.SIGKILL)
-            result = stream.result(timeout=60)
-        assert started  # the stream had begun (status 200); its last event is the error
-        assert result["error"] is not None, result
-        assert "tensor-parallel rank" in result["error"]["message"]
-        assert result["tokens"] < 200
-        code = server.proc.wait(timeout=60)
-        assert code == 1
-        log = "".join(server.stderr)
-        assert "tensor-parallel rank 1" in log and "exiting (code 1)" in log
+        _kill_the_worker_mid_stream(server)
+    finally:
+        server.stop()
+
+
+@pytest.mark.multi_gpu
+def test_a_worker_killed_on_two_gpus_fails_the_stream_and_the_server_exits(
+    checkpoint_dirs: dict[str, Path],
+) -> None:
+    server = ServerProcess("--model", str(checkpoint_dirs["llama"]), "--device", "cuda", *COMMON, "--tp", "2")
+    try:
+        assert len(_greedy(server, PROMPTS[:1])[0]) == NEW_TOKENS
+        _kill_the_worker_mid_stream(server)
     finally:
         server.stop()
 
