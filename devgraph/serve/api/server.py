@@ -30,7 +30,7 @@ from devgraph.extras import install_hint
 from devgraph.serve.api.metrics import ServeMetrics, prometheus_available
 from devgraph.serve.api.startup import Startup, build_engine, open_source
 from devgraph.serve.api.stats_log import ThroughputLog
-from devgraph.serve.bench.timeline import StepTimeline
+from devgraph.serve.api.timeline import StepTimeline
 from devgraph.serve.checkpoint.source import ModelSource
 from devgraph.serve.engine.loop import EngineLoop
 
