@@ -188,3 +188,138 @@ def hf_greedy(directory: Path, prompts: list[list[int]], max_new_tokens: int = N
             logp = logits.log_softmax(-1)[torch.arange(end), torch.tensor(tokens[:end], dtype=torch.long)]
             outputs.append(Greedy(tokens[:end], logp.tolist(), float((top2[:, 0] - top2[:, 1]).min())))
     return outputs
+
+
+#: Llama-3-8B's shape (8.03 B parameters: 16.06 GB in bf16), for the tensor-parallel serving benchmark.
+LLAMA3_8B: dict[str, Any] = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
+_SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def write_random_checkpoint(
+    directory: Path,
+    family: str = "llama",
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    shard_bytes: int = 4 << 30,
+    seed: int = 0,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """A checkpoint of any size, written fast: no model is built (the tensor names and shapes come from
+    transformers' model class on the meta device), each tensor is drawn on ``device`` (a GPU draws 16 GB
+    in well under a second) and streamed to its shard as it is drawn, so at most one tensor is in host
+    memory. Matrices ~ N(0, 1/fan_in), norm scales 1 + N(0, 0.2^2), biases N(0, 0.5^2); safetensors
+    shards of about ``shard_bytes`` with an index, the family's tokenizer. ``overrides``: config fields
+    over :data:`SHAPE` and the family's (pass :data:`LLAMA3_8B` for the 8B shape). Returns what was
+    written and how long it took."""
+    import json
+    import struct
+    import time
+
+    import transformers
+
+    start = time.perf_counter()
+    config_class, model_class = (getattr(transformers, name) for name in _CLASSES[family])
+    tokenizer = build_tokenizer("chatml" if family.startswith("qwen") else "inst")
+    settings = {"vocab_size": len(tokenizer), **SHAPE, **FAMILIES[family], **overrides}
+    config = config_class(
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        dtype=str(dtype).removeprefix("torch."),
+        **settings,
+    )
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in model_class(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    element = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = element * _count(shape)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, names in enumerate(shards, start=1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in names:
+            nbytes = element * _count(shapes[name])
+            header[name] = {
+                "dtype": _SAFETENSORS_NAMES[dtype],
+                "shape": list(shapes[name]),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+            weight_map[name] = file
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        with open(directory / file, "wb") as handle:
+            handle.write(struct.pack("<Q", len(text)) + text)
+            for name in names:
+                tensor = _draw(name, shapes[name], dtype, device, generator).cpu()
+                handle.write(_host_bytes(tensor))
+        total += offset
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the drawing's cached blocks would hold GPU memory the servers need
+    index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=1))
+    return {
+        "directory": str(directory),
+        "bytes": total,
+        "shards": len(shards),
+        "tensors": len(shapes),
+        "seconds": round(time.perf_counter() - start, 2),
+        "drawn_on": device,
+        "weights": "matrices ~ N(0, 1/fan_in), norm scales 1 + N(0, 0.04), biases N(0, 0.25)",
+    }
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _draw(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: str, generator: torch.Generator
+) -> torch.Tensor:
+    draw = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        draw.mul_(0.2).add_(1.0)
+    elif name.endswith("bias"):
+        draw.mul_(0.5)
+    else:
+        draw.mul_(shape[-1] ** -0.5)
+    return draw.to(dtype)
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy (and without numpy); valid while ``tensor`` lives."""
+    import ctypes
+
+    assert tensor.is_contiguous() and tensor.device.type == "cpu"
+    raw = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    return memoryview(raw).cast("B")

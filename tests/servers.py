@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ServerProcess:
-    """``python -m devgraph.serve FLAGS`` on a free port of 127.0.0.1, started and waited for; its stderr
-    is kept (``stderr``), ``stop()`` sends SIGTERM and returns the exit code."""
+    """``python -m devgraph.serve FLAGS`` on a free port of 127.0.0.1, started and waited for (up to
+    ``start_timeout`` seconds; ``env``: variables added to this process's); its stderr is kept
+    (``stderr``), ``stop()`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, start_timeout: float = 120) -> None:
         command = [
             sys.executable,
             "-m",
@@ -32,11 +35,16 @@ class ServerProcess:
             "127.0.0.1",
         ]
         self.proc = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + start_timeout
         assert self.proc.stdout is not None
         line = ""
         while "listening on" not in line:
@@ -45,7 +53,7 @@ class ServerProcess:
                 raise RuntimeError(f"server exited {self.proc.returncode}: {''.join(self.stderr)[-2000:]}")
             if time.monotonic() > deadline:
                 self.proc.kill()
-                raise RuntimeError("server did not start in 120 s")
+                raise RuntimeError(f"server did not start in {start_timeout:g} s")
         self.url = line.rsplit(" ", 1)[-1].strip()
         self.port = int(self.url.rsplit(":", 1)[-1])
 
@@ -68,6 +76,31 @@ class ServerProcess:
     def post(self, payload: Any, path: str = "/v1/completions") -> tuple[int, Any]:
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         return self.request("POST", path, body)
+
+    def stream(self, payload: dict[str, Any], timeout: float = 120) -> Iterator[dict[str, Any]]:
+        """POST ``payload`` as a streamed completion; yields each server-sent event (an error event too)
+        up to ``[DONE]``. A status other than 200 raises ``urllib.error.HTTPError`` before the first."""
+        body = json.dumps({**payload, "stream": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            for raw in response:
+                line = raw.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    yield json.loads(line[6:])
+
+    def workers(self) -> list[int]:
+        """The pids of the processes this server spawned (``--tp`` workers; not multiprocessing's resource
+        tracker)."""
+        pid = self.proc.pid
+        found = []
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            try:
+                command = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in command:
+                found.append(int(child))
+        return found
 
     def stats(self) -> dict[str, Any]:
         return self.request("GET", "/v1/engine/stats")[1]

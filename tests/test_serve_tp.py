@@ -56,20 +56,6 @@ def _greedy(server: ServerProcess, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(one, prompts))
 
 
-def _workers(pid: int) -> list[int]:
-    """The spawned worker processes among ``pid``'s children (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    found = []
-    for child in children:
-        try:
-            command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"spawn_main" in command:
-            found.append(int(child))
-    return found
-
-
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split()[2]
@@ -80,66 +66,92 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture
 def servers(
-    checkpoint_dirs: dict[str, Path], request: pytest.FixtureRequest
+    checkpoint_dirs: dict[str, Path], request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[dict[str, ServerProcess]]:
+    """The single-process server and the ``--tp 2`` one, whose rank 0 records its step timeline."""
     device, family = request.param
     flags = ["--model", str(checkpoint_dirs[family]), "--device", device, *COMMON]
     started: dict[str, ServerProcess] = {}
     try:
         started["single"] = ServerProcess(*flags)
-        started["tp"] = ServerProcess(*flags, "--tp", "2")
+        timeline = {"DEVGRAPH_STEP_TIMELINE": str(tmp_path / "timeline.json")}
+        started["tp"] = ServerProcess(*flags, "--tp", "2", env=timeline)
         yield started
     finally:
         for server in started.values():
             server.stop()
 
 
-def _check_equal_then_stop(servers: dict[str, ServerProcess]) -> None:
+def _check_equal_then_stop(servers: dict[str, ServerProcess], timeline: Path) -> None:
     single, tp = servers["single"], servers["tp"]
     expected = _greedy(single, PROMPTS)
     assert all(len(tokens) == NEW_TOKENS for tokens in expected)
     assert _greedy(tp, PROMPTS) == expected
-    workers = _workers(tp.proc.pid)
+    workers = tp.workers()
     assert len(workers) == 1
     assert tp.stop() == 0
     assert all(_gone(pid) for pid in workers), "SIGTERM on rank 0 left a worker running"
+    # Every step after the warm-up, written at exit: prefill (and mixed) steps, then decodes; one step
+    # at least per token of the longest request.
+    steps = json.loads(timeline.read_text())["steps"]
+    assert {s["phase"] for s in steps} == {"prefill", "decode"}
+    assert len(steps) >= NEW_TOKENS
+    assert all(s["device_end_ms"] >= s["device_start_ms"] for s in steps)
 
 
 @pytest.mark.parametrize("servers", [("cpu", "llama")], indirect=True, ids=["llama"])
-def test_tp2_greedy_tokens_equal_the_single_process_server(servers: dict[str, ServerProcess]) -> None:
-    _check_equal_then_stop(servers)
+def test_tp2_greedy_tokens_equal_the_single_process_server(
+    servers: dict[str, ServerProcess], tmp_path: Path
+) -> None:
+    _check_equal_then_stop(servers, tmp_path / "timeline.json")
 
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize(
     "servers", [("cuda", "llama"), ("cuda", "qwen3")], indirect=True, ids=["llama", "qwen3"]
 )
-def test_tp2_on_two_gpus_greedy_tokens_equal_one_gpu(servers: dict[str, ServerProcess]) -> None:
-    _check_equal_then_stop(servers)
+def test_tp2_on_two_gpus_greedy_tokens_equal_one_gpu(
+    servers: dict[str, ServerProcess], tmp_path: Path
+) -> None:
+    _check_equal_then_stop(servers, tmp_path / "timeline.json")
 
 
 def _stream_until_end(server: ServerProcess, started: list[float]) -> dict[str, Any]:
-    """A long streamed request; returns its HTTP status, the error event (if any) and the tokens."""
-    import urllib.request
-
-    payload = {"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
-    body = json.dumps(payload).encode()
-    req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST")
+    """A long streamed request; returns the error event (if any) and the tokens before it."""
+    payload = {"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     result: dict[str, Any] = {"tokens": 0, "error": None}
-    with urllib.request.urlopen(req, timeout=60) as response:
-        result["status"] = response.status
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                result["error"] = event["error"]
-                break
-            result["tokens"] += 1
-            if not started:
-                started.append(time.monotonic())
+    for event in server.stream(payload, timeout=60):
+        if "error" in event:
+            result["error"] = event["error"]
+            break
+        result["tokens"] += 1
+        if not started:
+            started.append(time.monotonic())
     return result
+
+
+def _kill_the_worker_mid_stream(server: ServerProcess) -> None:
+    """SIGKILL the worker while a long request streams: the request ends with an error event naming the
+    rank, the server exits 1 within seconds (on a GPU rank 0 may be stuck in a collective with the dead
+    rank: it is ended after EXIT_GRACE_S), its log names the rank."""
+    (worker,) = server.workers()
+    started: list[float] = []
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream_until_end, server, started)
+        while not started and not stream.done():
+            time.sleep(0.01)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        result = stream.result(timeout=60)
+    assert started  # the stream had begun (status 200); its last event is the error
+    assert result["error"] is not None, result
+    assert "tensor-parallel rank" in result["error"]["message"]
+    assert result["tokens"] < 200
+    code = server.proc.wait(timeout=60)
+    assert code == 1
+    assert time.monotonic() - killed < 15
+    log = "".join(server.stderr)
+    assert "tensor-parallel rank 1" in log and "exiting (code 1)" in log
 
 
 def test_qwen3_under_tp2_equals_transformers_then_a_killed_worker_stops_it(
@@ -154,22 +166,19 @@ def test_qwen3_under_tp2_equals_transformers_then_a_killed_worker_stops_it(
     try:
         expected = [greedy.tokens for greedy in hf_greedy(directory, PROMPTS[:2], NEW_TOKENS)]
         assert _greedy(server, PROMPTS[:2]) == expected
-        (worker,) = _workers(server.proc.pid)
-        started: list[float] = []
-        with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_stream_until_end, server, started)
-            while not started and not stream.done():
-                time.sleep(0.01)
-            os.kill(worker, signal.SIGKILL)
-            result = stream.result(timeout=60)
-        assert result["status"] == 200  # the stream had begun; its last event is the error
-        assert result["error"] is not None, result
-        assert "tensor-parallel rank" in result["error"]["message"]
-        assert result["tokens"] < 200
-        code = server.proc.wait(timeout=60)
-        assert code == 1
-        log = "".join(server.stderr)
-        assert "tensor-parallel rank 1" in log and "exiting (code 1)" in log
+        _kill_the_worker_mid_stream(server)
+    finally:
+        server.stop()
+
+
+@pytest.mark.multi_gpu
+def test_a_worker_killed_on_two_gpus_fails_the_stream_and_the_server_exits(
+    checkpoint_dirs: dict[str, Path],
+) -> None:
+    server = ServerProcess("--model", str(checkpoint_dirs["llama"]), "--device", "cuda", *COMMON, "--tp", "2")
+    try:
+        assert len(_greedy(server, PROMPTS[:1])[0]) == NEW_TOKENS
+        _kill_the_worker_mid_stream(server)
     finally:
         server.stop()
 
@@ -184,7 +193,7 @@ def test_heartbeats_keep_an_idle_server_and_a_stuck_worker_times_out(
     monkeypatch.setenv("DEVGRAPH_RANK_TIMEOUT_S", "3")
     server = ServerProcess("--model", str(checkpoint_dirs["llama"]), "--device", "cpu", *COMMON, "--tp", "2")
     try:
-        (worker,) = _workers(server.proc.pid)
+        (worker,) = server.workers()
         time.sleep(7)
         assert server.post({"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0})[0] == 200
         os.kill(worker, signal.SIGSTOP)

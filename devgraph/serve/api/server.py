@@ -30,6 +30,7 @@ from devgraph.extras import install_hint
 from devgraph.serve.api.metrics import ServeMetrics, prometheus_available
 from devgraph.serve.api.startup import Startup, build_engine, open_source
 from devgraph.serve.api.stats_log import ThroughputLog
+from devgraph.serve.api.timeline import StepTimeline
 from devgraph.serve.checkpoint.source import ModelSource
 from devgraph.serve.engine.loop import EngineLoop
 
@@ -92,11 +93,11 @@ def _serve(args: argparse.Namespace, began: float, startup: Startup, world: Any)
             group=world.group,
             engine_class=functools.partial(TPEngine, channel=world.channel, on_failure=world.step_failed),
         )
-        world.channel.start_heartbeat()
     start = time.perf_counter()
     engine.warm_up()
     startup.times["warm_up_s"] = time.perf_counter() - start
     logger.info("warm-up requests served in %.1f s", startup.times["warm_up_s"])
+    timeline = StepTimeline.from_environment(engine)  # DEVGRAPH_STEP_TIMELINE: the serving benchmarks
     model_name = args.served_model_name or source.name
     loop = EngineLoop(engine)
     if world is not None:  # a lost rank: answer every request with an error, then stop (exit code 1)
@@ -122,6 +123,8 @@ def _serve(args: argparse.Namespace, began: float, startup: Startup, world: Any)
         code = asyncio.run(_run(args, loop, _state(args, loop, source, model_name, metrics, startup)))
     finally:
         loop.shutdown(0.0)
+        if timeline is not None and (world is None or world.failure is None):
+            timeline.save()
         engine.close()
     if world is not None and world.failure is not None:
         print(f"devgraph serve --tp: {world.failure}; exiting (code 1)", file=sys.stderr, flush=True)

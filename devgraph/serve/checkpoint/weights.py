@@ -2,7 +2,8 @@
 
 The model is built with its weights allocated but unwritten (``ReferenceModel(..., weights="empty")``);
 each tensor of the checkpoint is then read lazily (``safe_open``: only that tensor's bytes leave the
-file), checked against the slot it fills, converted to the model's dtype and copied to the model's device.
+file; under ``--tp`` only this rank's rows or columns of it), checked against the slot it fills,
+converted to the model's dtype and copied to the model's device.
 Transformers' separate projections land in the reference model's fused ones: ``q_proj``, ``k_proj`` and
 ``v_proj`` (and their biases) in ``qkv_proj``; ``gate_proj`` and ``up_proj`` in ``gate_up_proj``; Qwen3's
 ``q_norm`` and ``k_norm`` in the per-head scale ``qk_norm`` (one row per query head, then per KV head).
@@ -15,6 +16,7 @@ Progress: a bar on a terminal, otherwise an INFO line every quarter of the bytes
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -94,8 +96,9 @@ class _Slot:
 
     target: torch.Tensor
     shape: tuple[int, ...]
-    #: This rank's part of the checkpoint tensor (tensor parallelism); None: all of it.
-    take: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: This rank's part of the checkpoint tensor (tensor parallelism): (dim, range) read alone from the
+    #: file, the rest never leaves it; None: all of it.
+    part: tuple[int, slice] | None = None
 
 
 def _slots(model: ReferenceModel) -> dict[str, _Slot]:
@@ -146,14 +149,14 @@ def _tp_slots(model: ReferenceModel) -> dict[str, _Slot]:
     def part(total: int) -> slice:
         return slice(rank * total // size, (rank + 1) * total // size)
 
-    def rows(total: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda tensor: tensor[part(total)]
+    def rows(total: int) -> tuple[int, slice]:
+        return 0, part(total)
 
-    def columns(total: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda tensor: tensor[:, part(total)]
+    def columns(total: int) -> tuple[int, slice]:
+        return 1, part(total)
 
-    def put(name: str, target: torch.Tensor, shape: tuple[int, ...], take: Any = None) -> None:
-        slots[name] = _Slot(target, shape, take)
+    def put(name: str, target: torch.Tensor, shape: tuple[int, ...], part: Any = None) -> None:
+        slots[name] = _Slot(target, shape, part)
 
     hidden = c.hidden_size
     put("model.embed_tokens.weight", model.embed.data, (c.vocab_size, hidden))
@@ -219,16 +222,14 @@ def load_weights(model: ReferenceModel, files: WeightFiles, progress: bool | Non
     total = sum(s.target.numel() * s.target.element_size() for s in slots.values())
     done = 0
     with torch.no_grad(), _Progress(total, progress) as bar:
-        for name, tensor in _read(files, slots):
+        for name, shape, tensor in _read(files, slots):
             slot = slots[name]
-            if tuple(tensor.shape) != slot.shape:
+            if shape != slot.shape:
                 raise ConfigError(
-                    f"{files.directory / files.where[name]}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"{files.directory / files.where[name]}: tensor {name} has shape {shape}, "
                     f"the config implies {slot.shape}"
                 )
-            if slot.take is not None:
-                tensor = slot.take(tensor)
-            slot.target.copy_(tensor.expand_as(slot.target))
+            slot.target.copy_(tensor().expand_as(slot.target))
             size = slot.target.numel() * slot.target.element_size()
             done += size
             bar.advance(size, done)
@@ -237,8 +238,11 @@ def load_weights(model: ReferenceModel, files: WeightFiles, progress: bool | Non
     return LoadReport(len(slots), total, time.perf_counter() - start)
 
 
-def _read(files: WeightFiles, slots: dict[str, _Slot]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every slot, file by file, each tensor read only when it is needed."""
+def _read(
+    files: WeightFiles, slots: dict[str, _Slot]
+) -> Iterator[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """``(name, full shape, read)`` for every slot, file by file: ``read()`` reads the slot's part of the
+    tensor (all of it, or this rank's rows or columns) from the memory-mapped file, nothing else."""
     safe_open = _safe_open()
     by_file: dict[str, list[str]] = {}
     for name in slots:
@@ -246,7 +250,13 @@ def _read(files: WeightFiles, slots: dict[str, _Slot]) -> Iterator[tuple[str, to
     for file, names in sorted(by_file.items()):
         with safe_open(str(files.directory / file), framework="pt", device="cpu") as handle:
             for name in names:
-                yield name, handle.get_tensor(name)
+                stored = handle.get_slice(name)
+                part = slots[name].part
+                if part is None:
+                    yield name, tuple(stored.get_shape()), functools.partial(handle.get_tensor, name)
+                else:
+                    index = (part[1],) if part[0] == 0 else (slice(None), part[1])
+                    yield name, tuple(stored.get_shape()), functools.partial(stored.__getitem__, index)
 
 
 def _safe_open() -> Callable[..., Any]:

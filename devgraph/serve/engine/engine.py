@@ -66,6 +66,9 @@ class Engine:
         progress: bool | None = None,
     ) -> None:
         self.model = model
+        #: Where a step's input tensors are built: the model's device; a tensor-parallel rank 0 builds them
+        #: on the host and hands them to its workers before moving them itself.
+        self.batch_device: torch.device = model.device
         self.config = config or EngineConfig()
         self.model_config = model.config
         running, budget = self.config.max_running_requests, self.config.token_budget
@@ -272,7 +275,7 @@ class Engine:
     def _run(self, kind: str, entries: list[tuple[Request, int, int, bool]]) -> list[RequestOutput]:
         pinned = self.config.deterministic
         common = {"padding_slot": self.model.padding_slot}
-        block_size, device = self.model_config.block_size, self.model.device
+        block_size, device = self.model_config.block_size, self.batch_device
         batch: StepBatch
         if kind == "decode":
             pad = self.config.max_running_requests if pinned else None

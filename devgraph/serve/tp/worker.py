@@ -1,9 +1,10 @@
 """A tensor-parallel rank other than 0: build the same engine (its shard), then run every step rank 0 sends.
 
-The worker builds the engine with the same flags, so its runners capture the same graphs in lock-step
-with rank 0 (the runners' capture handshake). Then it loops: a step message becomes the same forward on
-this rank's shard; a heartbeat is ignored; the stop message, or rank 0 gone (:class:`RankLost`), ends it.
-SIGINT is ignored: a terminal's Ctrl-C reaches every process of the group, and rank 0 stops the workers.
+The worker maps rank 0's step ring first thing, then builds the engine with the same flags, so its
+runners capture the same graphs in lock-step with rank 0 (the runners' capture handshake). Then it loops:
+a step message becomes the same forward on this rank's shard; the stop message, or rank 0 gone
+(:class:`RankLost`), ends it. SIGINT is ignored: a terminal's Ctrl-C reaches every process of the group,
+and rank 0 stops the workers.
 """
 
 from __future__ import annotations
@@ -12,19 +13,21 @@ import argparse
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import torch
 
 from devgraph.serve.engine.batch import StepBatch
 from devgraph.serve.engine.engine import Engine
-from devgraph.serve.tp.channel import IDLE, STOP, RankLost, StepChannel
+from devgraph.serve.tp.channel import RankLost, WorkerChannel
+from devgraph.serve.tp.wire import STOP
 
 __all__ = ["serve_steps", "worker_main"]
 
 logger = logging.getLogger(__name__)
 
 
-def serve_steps(engine: Engine, channel: StepChannel) -> int:
+def serve_steps(engine: Engine, channel: WorkerChannel) -> int:
     """Run rank 0's steps until the stop (0) or until rank 0 is gone (1)."""
     device = engine.model.device
     while True:
@@ -33,21 +36,18 @@ def serve_steps(engine: Engine, channel: StepChannel) -> int:
         except RankLost as exc:
             logger.error("rank 0 is gone: %s; this worker exits", exc)
             return 1
-        if message == IDLE:
-            continue
-        if message == STOP:
+        if message.kind == STOP:
             return 0
-        _, kind, inputs, context = message
-        batch = StepBatch({k: v.to(device) for k, v in inputs.items()}, context, [], [], [])
+        batch = StepBatch(message.inputs(device), message.context(), [], [], [])
         try:
-            engine.forward(kind, batch)
+            engine.forward(message.kind, batch)
         except Exception:
-            logger.exception("a %s step failed on this rank; this worker exits", kind)
+            logger.exception("a %s step failed on this rank; this worker exits", message.kind)
             return 1
 
 
-def worker_main(args: argparse.Namespace, rank: int, size: int, port: int) -> None:
-    """The entry point of rank ``rank`` (a spawned process)."""
+def worker_main(args: argparse.Namespace, rank: int, size: int, port: int, ring: str) -> None:
+    """The entry point of rank ``rank`` (a spawned process); ``ring``: rank 0's step ring file."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Rank 0 logs every start-up stage; a worker's own lines would repeat them, so it logs problems only
     # (everything with --log-level debug), and draws no progress bars.
@@ -62,8 +62,9 @@ def worker_main(args: argparse.Namespace, rank: int, size: int, port: int) -> No
 
     code = 1
     try:
+        on_gpu = args.device is not None and torch.device(args.device).type == "cuda"
+        channel = WorkerChannel(Path(ring), rank, pin=on_gpu)  # before the group: rank 0 waits for it
         init_rank(args.device, rank, size, port)
-        channel = StepChannel()
         engine = build_engine(args, open_source(args), group=torch.distributed.group.WORLD)
         try:
             code = serve_steps(engine, channel)
@@ -71,6 +72,7 @@ def worker_main(args: argparse.Namespace, rank: int, size: int, port: int) -> No
             if code == 0:
                 engine.close()
                 destroy_process_group()
+            channel.close()
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
     sys.exit(code)

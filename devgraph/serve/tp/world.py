@@ -2,8 +2,10 @@
 
 Why spawn rather than torchrun: one command for the user, like the single-device server; rank 0 owns its
 workers, so it sees a worker's death at once (its exit code, within :data:`POLL_S`) instead of waiting
-for a collective to time out, and stops them on SIGINT/SIGTERM. A worker finds rank 0 gone through the
-step channel (a closed connection, or no heartbeat within the rank timeout) and exits.
+for a collective to time out, and stops them on SIGINT/SIGTERM. The monitor also asks the step channel
+whether a worker has left a step unread for longer than the rank timeout (alive but stuck). A worker
+finds rank 0 gone through the step channel (its parent exited, or no heartbeat within the rank timeout)
+and exits.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from devgraph.errors import ConfigError
-from devgraph.serve.tp.channel import STOP, RankLost, StepChannel
+from devgraph.serve.tp.channel import RankLost, StepChannel
 from devgraph.serve.tp.rank import free_port, init_rank, rank_device
 
 __all__ = ["EXIT_GRACE_S", "POLL_S", "TPWorld", "start_world"]
@@ -37,9 +39,9 @@ EXIT_GRACE_S = 10.0
 class TPWorld:
     """Rank 0's view: the worker processes, the step channel, the monitor, the failure (if any)."""
 
-    def __init__(self, processes: list[Any]) -> None:
+    def __init__(self, processes: list[Any], channel: StepChannel) -> None:
         self.processes = processes
-        self.channel: StepChannel | None = None
+        self.channel = channel
         self.failure: str | None = None
         self._stopping = threading.Event()
         self._reported = threading.Lock()
@@ -56,6 +58,7 @@ class TPWorld:
         if self._stopping.is_set() or not self._reported.acquire(blocking=False):
             return
         self.failure = message
+        self.channel.abort(f"the server is stopping: {message}")
         logger.error("devgraph serve --tp: %s; the server stops", message)
         timer = threading.Timer(EXIT_GRACE_S, self._hard_exit, (message,))
         timer.daemon = True
@@ -82,9 +85,9 @@ class TPWorld:
 
     def _watch(self) -> None:
         while not self._stopping.wait(POLL_S):
-            dead = self._dead()
-            if dead:
-                self.report(dead)
+            lost = self._dead() or self.channel.stalled()
+            if lost:
+                self.report(lost)
                 return
 
     def _lost_at_startup(self, message: str) -> None:
@@ -103,13 +106,11 @@ class TPWorld:
         """Stop the workers: the stop message (when they still listen), then join, then terminate."""
         first = not self._stopping.is_set()
         self._stopping.set()
-        if first and self.channel is not None:
-            self.channel.close()
-            if self.failure is None and not self._dead():  # a dead worker: start-up failed on it too
-                try:
-                    self.channel.send(STOP)
-                except RankLost as exc:
-                    logger.warning("stopping the tensor-parallel workers: %s", exc)
+        if first and self.failure is None and not self._dead():  # a dead worker: start-up failed on it too
+            try:
+                self.channel.send_stop()
+            except RankLost as exc:
+                logger.warning("stopping the tensor-parallel workers: %s", exc)
         for process in self.processes:
             process.join(timeout_s if self.failure is None else 0.5)
             if process.is_alive():
@@ -117,6 +118,8 @@ class TPWorld:
                 process.join(2.0)
             if process.is_alive():
                 process.kill()
+        if first:
+            self.channel.close()
         if first and self.failure is None and torch.distributed.is_initialized():
             from devgraph.ranks import destroy_process_group
 
@@ -124,8 +127,8 @@ class TPWorld:
 
 
 def start_world(args: argparse.Namespace) -> TPWorld:
-    """Spawn ranks 1..``args.tp``-1 (:func:`~devgraph.serve.tp.worker.worker_main`), join the process group
-    as rank 0, build the step channel; ``args.device`` becomes rank 0's device."""
+    """Build the step channel, spawn ranks 1..``args.tp``-1 (:func:`~devgraph.serve.tp.worker.worker_main`),
+    join the process group as rank 0; ``args.device`` becomes rank 0's device."""
     from devgraph.serve.tp.worker import worker_main
 
     size, port = int(args.tp), free_port()
@@ -136,19 +139,21 @@ def start_world(args: argparse.Namespace) -> TPWorld:
             "lower --tp or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
         )
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked; spawn works everywhere
+    channel = StepChannel(size)
     processes = []
     for rank in range(1, size):
         worker_args = argparse.Namespace(**{**vars(args), "device": rank_device(args.device, rank)})
         worker_args.run = worker_args.command_parser = None  # not picklable, not needed
         process = context.Process(
-            target=worker_main, args=(worker_args, rank, size, port), name=f"devgraph-tp-rank{rank}"
+            target=worker_main,
+            args=(worker_args, rank, size, port, str(channel.path)),
+            name=f"devgraph-tp-rank{rank}",
         )
         process.start()
         processes.append(process)
-    world = TPWorld(processes)
+    world = TPWorld(processes, channel)
     world._monitor.start()
     args.device = device
     logger.info("tensor parallelism over %d ranks: waiting for ranks 1..%d (port %d)", size, size - 1, port)
     init_rank(args.device, 0, size, port)
-    world.channel = StepChannel()
     return world

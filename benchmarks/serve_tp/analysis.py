@@ -1,0 +1,152 @@
+"""The figures ``serve_tp_check.py`` reports: per load phase from the server's step timeline, the memory
+bandwidth floor of a decode step, and the targets of issue 30 (items 2 and 4) checked against them."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+__all__ = ["bandwidth_floor", "targets", "window"]
+
+#: Spec memory bandwidth (bytes/s) by device name, for the floor the issue states (16 GB / 3.35 TB/s).
+SPEC_BANDWIDTH = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12, "H20": 4.0e12}
+#: Gaps longer than this are the server waiting for work (a client between requests), not step overhead.
+IDLE_CUTOFF_MS = 50.0
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {
+        "p50": round(statistics.median(ordered), 4),
+        "p10": round(ordered[int(0.1 * (len(ordered) - 1))], 4),
+        "p90": round(ordered[int(0.9 * (len(ordered) - 1))], 4),
+        "mean": round(statistics.fmean(ordered), 4),
+    }
+
+
+def window(steps: list[dict[str, Any]], began: float, ended: float) -> dict[str, Any]:
+    """The steps whose host start lies in [began, ended]: the device time of a decode step (staging +
+    replay, CUDA events) by batch size, and the device's idle time between consecutive steps."""
+    inside = [s for s in steps if began <= s["host_s"] <= ended]
+    if not inside:
+        return {"steps": 0}
+    decode = [s for s in inside if s["phase"] == "decode"]
+    device = [s["device_end_ms"] - s["device_start_ms"] for s in inside]
+    gaps = [b["device_start_ms"] - a["device_end_ms"] for a, b in zip(inside, inside[1:], strict=False)]
+    working = [max(0.0, g) for g in gaps if g <= IDLE_CUTOFF_MS]
+    span = sum(device) + sum(working)
+    by_batch: dict[int, list[float]] = {}
+    for step in decode:
+        by_batch.setdefault(step["requests"], []).append(step["device_end_ms"] - step["device_start_ms"])
+    common = max(by_batch, key=lambda k: len(by_batch[k])) if by_batch else None
+    return {
+        "steps": len(inside),
+        "decode_steps": len(decode),
+        "decode_device_ms": _spread([s["device_end_ms"] - s["device_start_ms"] for s in decode]),
+        "decode_batch_most_common": common,
+        "decode_device_ms_at_that_batch": _spread(by_batch[common]) if common is not None else {},
+        "gap_ms": _spread(working),
+        "gaps_over_cutoff": len(gaps) - len(working),
+        "idle_share": round(sum(working) / span, 4) if span > 0 else None,
+    }
+
+
+def bandwidth_floor(weight_bytes: int, device: int = 0) -> dict[str, Any]:
+    """A decode step at batch 1 reads every weight once: bytes over the measured copy bandwidth (a 1 GiB
+    device-to-device copy, read + write) and over the spec bandwidth of the card."""
+    name = torch.cuda.get_device_name(device)
+    spec = next((bw for key, bw in SPEC_BANDWIDTH.items() if key in name), None)
+    nbytes = 1 << 30
+    with torch.cuda.device(device):
+        source = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+        target = torch.empty_like(source)
+        target.copy_(source)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(10):
+            start.record()
+            target.copy_(source)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del source, target
+        torch.cuda.empty_cache()
+    measured = 2 * nbytes / (statistics.median(times) * 1e-3)
+    return {
+        "device": name,
+        "weight_bytes": weight_bytes,
+        "copy_bandwidth_GBps": round(measured / 1e9, 1),
+        "floor_ms_measured_bandwidth": round(weight_bytes / measured * 1e3, 3),
+        "spec_bandwidth_GBps": spec and round(spec / 1e9),
+        "floor_ms_spec_bandwidth": spec and round(weight_bytes / spec * 1e3, 3),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _load(data: dict[str, Any], server: str, phase: str) -> dict[str, Any]:
+    return data["servers"].get(server, {}).get("loads", {}).get(phase, {})
+
+
+def _timeline(data: dict[str, Any], server: str, phase: str) -> dict[str, Any]:
+    timeline = data["servers"].get(server, {}).get("timeline", {})
+    return timeline.get(phase, {}) if isinstance(timeline, dict) else {}
+
+
+def _itl(data: dict[str, Any], server: str, phase: str = "c1") -> float | None:
+    """A request's time per output token, median over requests (``tpot_ms``: (last token - first token)
+    / (tokens - 1)): the ITL a client sees, and unlike the median of single gaps it does not drop when a
+    busy event loop sends a few tokens in one burst."""
+    return _load(data, server, phase).get("tpot_ms", {}).get("p50")
+
+
+def _tokens_per_s(data: dict[str, Any], server: str, phase: str) -> float | None:
+    return _load(data, server, phase).get("output_tokens_per_s")
+
+
+def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target: what, the value, the bound, met (None where the figure is missing)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(what: str, value: float | None, bound: float, at_most: bool = True) -> None:
+        met = None if value is None else (value <= bound if at_most else value >= bound)
+        rows.append(
+            {"what": what, "value": value, "bound": ("<= " if at_most else ">= ") + str(bound), "met": met}
+        )
+
+    add(
+        "small: --tp 2 ITL (TPOT p50) at c=1 / one GPU's",
+        _ratio(_itl(data, "small_tp2"), _itl(data, "small_tp1")),
+        1.1,
+    )
+    add(
+        "8b: --tp 2 ITL (TPOT p50) at c=1 / one GPU's",
+        _ratio(_itl(data, "8b_tp2"), _itl(data, "8b_tp1")),
+        0.6,
+    )
+    add(
+        "8b: --tp 2 output tokens/s at c=64 / one GPU's",
+        _ratio(_tokens_per_s(data, "8b_tp2", "c64"), _tokens_per_s(data, "8b_tp1", "c64")),
+        1.6,
+        at_most=False,
+    )
+    floor = data.get("floor", {}).get("floor_ms_spec_bandwidth") or data.get("floor", {}).get(
+        "floor_ms_measured_bandwidth"
+    )
+    add("8b: one GPU's ITL (TPOT p50) at c=1 / the bandwidth floor", _ratio(_itl(data, "8b_tp1"), floor), 1.3)
+    for server in (name for name, entry in data["servers"].items() if "loads" in entry):
+        step = _timeline(data, server, "c1").get("decode_device_ms", {}).get("p50")
+        add(
+            f"{server}: ITL (TPOT p50) at c=1 / the decode step's device time (host share)",
+            _ratio(_itl(data, server), step),
+            1.03,
+        )
+        idle = _timeline(data, server, "c32").get("idle_share")
+        add(f"{server}: device idle between steps at c=32 (share)", idle, 0.05)
+    return rows
