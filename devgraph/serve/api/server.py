@@ -156,6 +156,7 @@ def _state(
         startup=startup.report(),
         body_timeout=args.body_timeout,
         sleep_mode=getattr(args, "enable_sleep_mode", False),
+        structured_outputs=getattr(args, "structured_outputs", "all"),
     )
 
 
