@@ -90,27 +90,30 @@ class ToolCallShape:
         while True:
             rest = self._text[self._read :]
             start = rest.find(_OPEN)
+            segment = (
+                rest[:start]
+                if start >= 0
+                else rest[: len(rest) - (0 if final else _partial_tail(rest, _OPEN))]
+            )
+            if (self._sent or calls) and not segment.strip():  # after a call, blank runs only separate calls
+                if start < 0 and not final:
+                    break  # held: text may still follow them
+            else:
+                content.append(segment)
+            self._read += len(segment)
             if start < 0:
-                keep = 0 if final else _partial_tail(rest, _OPEN)
-                content.append(rest[: len(rest) - keep])
-                self._read += len(rest) - keep
                 break
-            content.append(rest[:start])
             end = rest.find(_CLOSE, start)
             if end < 0 and not final:
-                self._read += start
                 break
             stop = len(rest) if end < 0 else end + len(_CLOSE)
-            content_part, found = self._format.split(rest[start:stop])
+            unparsed, found = self._format.split(rest[start:stop])
             if found:
                 calls += found
             else:
-                content.append(content_part)
-            self._read += stop
-        released = "".join(content)
-        if self._sent or calls:  # the newlines between calls are not content
-            released = released.strip()
-        return released, calls
+                content.append(unparsed)
+            self._read += stop - start
+        return "".join(content), calls
 
     def _advance_json(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
         if self._mode is None:

@@ -108,7 +108,8 @@ class ToolFormat(enum.Enum):
                 position = match.end()
                 calls.append(call)
             content.append(text[position:])
-            return "".join(content).strip() if calls else text, calls
+            # Text before the first call is content as written; after it, blank runs only separate calls.
+            return content[0] + "".join(piece for piece in content[1:] if piece.strip()), calls
         stripped = text.strip()
         if not stripped.startswith("{"):
             return text, []

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import concurrent.futures
 import json
+import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -69,9 +70,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the vocabulary and masker are built once; the cache is shared
         self._setup: tuple[Any, Vocabulary, BitmaskMasker] | None = None
         self._cache: collections.OrderedDict[GrammarSpec, CompiledGrammar] = collections.OrderedDict()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            limits.COMPILE_THREADS, thread_name_prefix="devgraph-grammar"
-        )
+        self._pool = CompilePool(limits.COMPILE_THREADS)
 
     def check_allowed(self, spec: GrammarSpec) -> None:
         """:class:`GrammarRefused` when the operator did not allow ``spec``'s kind."""
@@ -90,7 +89,7 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(spec)
                 return cached
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, spec)
+        future = asyncio.wrap_future(self._pool.submit(self._compile, spec))
         try:
             return await asyncio.wait_for(asyncio.shield(future), limits.COMPILE_SECONDS)
         except asyncio.TimeoutError:
@@ -99,12 +98,12 @@ class GrammarCompiler:
             ) from None
 
     def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
-        """``spec`` compiled on the calling thread (the engine's own callers, tests and benchmarks)."""
+        """``spec`` compiled, waiting for it (the engine's own callers, tests and benchmarks)."""
         self.check_allowed(spec)
-        return self._compile(spec)
+        return self._pool.submit(self._compile, spec).result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
     # -- on a compile thread ---------------------------------------------------------------------
     def _ready(self) -> tuple[Any, Vocabulary, BitmaskMasker]:
@@ -133,6 +132,52 @@ class GrammarCompiler:
             while len(self._cache) > limits.CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return compiled
+
+
+class CompilePool:
+    """Compile threads with a deep stack: the grammar library recurses over a grammar's nesting while it
+    compiles (a chain of some 3000 rules overflows an 8 MiB stack and would take the server down), so
+    its threads get :data:`limits.COMPILE_STACK_BYTES` of stack (address space; only what is used is
+    memory). Never the event loop's thread, nor the engine's."""
+
+    def __init__(self, threads: int) -> None:
+        self._jobs: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Any, tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads = []
+        with _STACK_LOCK:  # threading.stack_size is process-wide: set only around these starts
+            previous = threading.stack_size(limits.COMPILE_STACK_BYTES)
+            try:
+                for index in range(threads):
+                    thread = threading.Thread(
+                        target=self._work, name=f"devgraph-grammar-{index}", daemon=True
+                    )
+                    thread.start()
+                    self._threads.append(thread)
+            finally:
+                threading.stack_size(previous)
+
+    def submit(self, function: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((future, function, args))
+        return future
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, function, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:  # handed to the waiting request, which answers 400 or 500
+                future.set_exception(exc)
+
+
+_STACK_LOCK = threading.Lock()
 
 
 def _grammar_text(library: Any, spec: GrammarSpec, vocab: Vocabulary) -> str:

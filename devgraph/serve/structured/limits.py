@@ -22,6 +22,7 @@ from devgraph.serve.structured.spec import GrammarKind
 __all__ = [
     "CACHE_ENTRIES",
     "COMPILE_SECONDS",
+    "COMPILE_STACK_BYTES",
     "COMPILE_THREADS",
     "MAX_CHOICES",
     "MAX_CHOICE_CHARS",
@@ -50,6 +51,8 @@ COMPILE_SECONDS = 5.0
 COMPILE_THREADS = 2
 #: Compiled grammars kept for reuse.
 CACHE_ENTRIES = 128
+#: Stack of each compile thread (the library recurses over a grammar's nesting while it compiles).
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
 
 #: llguidance's fuel, below its own defaults (in brackets): ~50k lexer fuel per ms, ~20k items per ms.
 _LIMITS = {
