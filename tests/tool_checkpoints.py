@@ -16,7 +16,7 @@ from checkpoints import build_checkpoint
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 #: Context of these checkpoints: a prompt with tools is a few hundred tokens of the tiny vocabulary.
-CONTEXT = 2048
+CONTEXT = 4096
 LLAMA3_SPECIALS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
