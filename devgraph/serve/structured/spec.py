@@ -65,8 +65,8 @@ class Whitespace:
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One request's constraint. ``source``: the schema as canonical JSON text (sorted keys, so equal
-    schemas are equal specs), the regex, the choices as a JSON list, or the grammar's text. ``strict``
+    """One request's constraint. ``source``: the schema as JSON text (equal text, one compiled grammar),
+    the regex, the choices as a JSON list, or the grammar's text. ``strict``
     (JSON schemas): keywords llguidance does not implement are refused (400) instead of ignored.
     ``closed``: objects take no properties beyond those named (vLLM's ``disable_additional_properties``).
     ``origin``: the request field it came from, for messages (not part of its identity)."""
@@ -83,7 +83,8 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Any, **options: Any) -> GrammarSpec:
-        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, ensure_ascii=False), **options)
+        # Keys keep their order: llguidance writes properties in the order the schema lists them.
+        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False), **options)
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:
