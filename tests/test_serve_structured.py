@@ -20,8 +20,10 @@ openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("llguidance", reason="structured output needs llguidance (the structured extra)")
 
-BASE = ["--device", "cpu", "--cpu-threads", "1", "--max-running-requests", "4", "--token-budget", "64"]
-COMMON = [*BASE, "--max-seq-len", "4096"]  # a Llama 3.1 prompt with two tools is ~2000 tiny-vocab tokens
+COMMON = [
+    *("--device", "cpu", "--cpu-threads", "1", "--max-running-requests", "4", "--token-budget", "64"),
+    *("--max-seq-len", "4096"),
+]  # a Llama 3.1 prompt with two tools is ~2000 tiny-vocab tokens
 
 
 class Weather(pydantic.BaseModel):
@@ -225,19 +227,19 @@ def test_streamed_tool_calls_accumulate_in_the_sdk(servers: dict[str, ServerProc
     assert final.usage is not None and final.usage.completion_tokens > 0
 
 
-def test_tools_need_a_template_that_renders_them(tmp_path: Path) -> None:
+def test_tools_need_a_template_that_renders_them(hf_cases: dict[str, Any]) -> None:
     """The checkpoints of tests/checkpoints.py carry a template without tools: refused, not ignored."""
-    from checkpoints import build_checkpoint
+    from devgraph.serve.api.chat import parse_chat
+    from devgraph.serve.api.protocol import ApiError
+    from devgraph.serve.checkpoint.hf_tokenizer import HFTokenizer
 
-    server = ServerProcess("--model", str(build_checkpoint(tmp_path / "plain", "qwen2")), *BASE)
-    try:
-        client = _client(server)
-        with pytest.raises(openai.BadRequestError, match="does not render tools"):
-            client.chat.completions.create(
-                model=_model(client),
-                messages=[{"role": "user", "content": "hi"}],
-                tools=[openai.pydantic_function_tool(GetTime)],
-                max_tokens=4,
-            )
-    finally:
-        assert server.stop() == 0
+    tokenizer = HFTokenizer(hf_cases["qwen2"].directory)
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [openai.pydantic_function_tool(GetTime)],
+    }
+    with pytest.raises(ApiError, match="does not render tools"):
+        parse_chat(body, tokenizer, "m", context=256, defaults={}, eos_token_ids=())
+    del body["tools"]
+    generation, _ = parse_chat(body, tokenizer, "m", context=256, defaults={}, eos_token_ids=())
+    assert generation.grammar is None

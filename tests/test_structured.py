@@ -336,3 +336,78 @@ def test_a_deeply_nested_grammar_compiles_instead_of_crashing_the_server(tokeniz
     engine = _engine()
     request = _run(engine, [[1, 2]], [_params(grammar, max_tokens=40, temperature=1.0, seed=1)])[0]
     assert re.fullmatch(r"b*(a|c)?", ByteTokenizer().decode(request.output)), request.output
+
+
+def test_properties_come_in_the_schema_order(tokenizers: dict[str, Any]) -> None:
+    """llguidance writes properties in the order the schema lists them: the spec keeps that order (a
+    schema whose keys were sorted made every output's keys alphabetical)."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "null"}, "mid": {"enum": [1, 2]}},
+        "required": ["zeta", "alpha", "mid"],
+        "additionalProperties": False,
+    }
+    grammar = _compiler(tokenizers["bpe"]).compile_now(
+        GrammarSpec.json_schema(schema, whitespace=Whitespace(compact=True))
+    )
+    request = _run(_engine(), [tokenizers["bpe"].encode("x")], [_params(grammar)])[0]
+    assert request.finish_reason is FinishReason.STOP
+    assert list(json.loads(tokenizers["bpe"].decode(request.output))) == ["zeta", "alpha", "mid"]
+
+
+def test_logprobs_of_a_constrained_request_name_only_allowed_tokens(tokenizers: dict[str, Any]) -> None:
+    grammar = _compiler(tokenizers["bytes"]).compile_now(GrammarSpec.choice(["ab"]))
+    engine = _engine()
+    request = engine.add_request([1, 2], _params(grammar, logprobs=5))
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert request.finish_reason is FinishReason.STOP and bytes(request.output) == b"ab"
+    entries = [entry for output in outputs for entry in output.logprobs or []]
+    assert [e.token for e in entries] == list(b"ab")
+    for entry in entries:  # one token allowed at each step: it is the only alternative, with all the mass
+        assert entry.top == ((entry.token, entry.logprob),) and abs(entry.logprob) < 1e-5
+
+
+def test_without_llguidance_a_constrained_request_is_a_501_naming_the_extra(
+    tokenizers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import sys
+
+    from devgraph.serve.api.fields import Generation
+    from devgraph.serve.api.protocol import ApiError
+    from devgraph.serve.api.structured import attach_grammar
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # what an environment without it imports
+    generation = Generation(
+        [1], SamplingParams(), False, False, (), False, "m", grammar=GrammarSpec.choice(["a"])
+    )
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(attach_grammar(_compiler(tokenizers["bytes"]), generation))
+    assert caught.value.status == 501 and "pip install 'devgraph[structured]'" in caught.value.message
+
+
+@pytest.mark.cuda
+def test_on_cuda_masks_equal_the_hosts_and_the_decode_graphs_replay(tokenizers: dict[str, Any]) -> None:
+    """The bitmask goes to the device from pinned memory without a wait: the masked logits must equal the
+    CPU's, and a constrained run must keep every decode step on the CUDA graphs."""
+    tokenizer = tokenizers["bpe"]
+    grammar = _compiler(tokenizer).compile_now(
+        GrammarSpec.json_schema({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}})
+    )
+    states = [grammar.start() for _ in range(3)]
+    states[1].advance(tokenizer.encode("[")[-1])
+    logits = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    on_host = states[0].masker.mask(logits, [0, 2, 3], states)
+    on_device = states[0].masker.mask(logits.cuda(), [0, 2, 3], states)
+    assert torch.equal(on_device.cpu(), on_host)
+    model = ReferenceModel(ReferenceConfig.preset("tiny"), device="cuda", seed=0)
+    engine = Engine(model, EngineConfig(max_running_requests=8, token_budget=64), device_graph_mode="auto")
+    params = [_params(grammar, temperature=1.0, seed=seed) for seed in range(8)]
+    requests = _run(engine, [tokenizer.encode("numbers:")] * 8, params)
+    for request in requests:
+        if request.finish_reason is FinishReason.STOP:
+            assert all(0 <= n <= 99 for n in json.loads(tokenizer.decode(request.output)))
+    decode = engine.decode_runner.stats()
+    assert decode["replays"] > 0 and decode["eager"] == 0, decode

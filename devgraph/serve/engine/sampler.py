@@ -25,6 +25,7 @@ logits are not read before the masks are applied.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -105,7 +106,8 @@ def _logprobs(
     entries = []
     for j, i in enumerate(wanted):
         count = requests[i].params.logprobs or 0
-        top = tuple(zip(ids[j][:count], values[j][:count], strict=True))
+        # A grammar's forbidden tokens (-inf) are no alternatives: fewer than asked where it allows fewer.
+        top = tuple((t, v) for t, v in zip(ids[j][:count], values[j][:count], strict=True) if v != -math.inf)
         entries.append(TokenLogprob(int(picked[j]), float(chosen[j]), top))
     return entries
 
