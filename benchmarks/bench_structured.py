@@ -29,6 +29,7 @@ import re
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -181,9 +182,9 @@ def main() -> int:
     tokenizer_seconds = time.perf_counter() - began
     from devgraph.serve.checkpoint.hf_tokenizer import HFTokenizer
 
-    directory = out / "structured-tokenizer"
-    hf_tokenizer.save_pretrained(directory)
-    tokenizer = HFTokenizer(directory)
+    with tempfile.TemporaryDirectory() as directory:  # the server's way in: a tokenizer directory
+        hf_tokenizer.save_pretrained(directory)
+        tokenizer = HFTokenizer(Path(directory))
     config = ReferenceConfig.preset(settings["preset"], dtype=settings["dtype"])
     model = ReferenceModel(config, device=device, seed=0)
     engine_config = EngineConfig(max_running_requests=settings["running"], token_budget=settings["budget"])
