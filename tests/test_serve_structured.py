@@ -89,6 +89,7 @@ def test_json_object_and_vllm_fields_on_both_routes(servers: dict[str, ServerPro
         messages=[{"role": "user", "content": "hi"}],
         response_format={"type": "json_object"},
         max_tokens=300,
+        seed=0,
         extra_body={"structured_outputs": None},
     )
     if answer.choices[0].finish_reason == "stop":
@@ -111,10 +112,17 @@ def test_json_object_and_vllm_fields_on_both_routes(servers: dict[str, ServerPro
         max_tokens=60,
         stream=True,
         extra_body={
-            "structured_outputs": {"json": Weather.model_json_schema(), "disable_any_whitespace": True}
+            "structured_outputs": {
+                "json": Weather.model_json_schema(),  # pydantic's schema allows other properties
+                "disable_any_whitespace": True,
+                "disable_additional_properties": True,
+            }
         },
     )
-    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    text = "".join(chunk.text for chunk in chunks)
+    assert chunks[-1].finish_reason == "stop", text
+    assert set(json.loads(text)) == {"city", "days", "rain"}
     Weather.model_validate_json(text)
     assert " " not in text
 
@@ -177,6 +185,7 @@ def test_required_and_named_tool_choice_call_tools_with_valid_arguments(
         tool_choice="required",
         max_tokens=300,
         parallel_tool_calls=False,
+        seed=1,
     )
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -191,6 +200,7 @@ def test_required_and_named_tool_choice_call_tools_with_valid_arguments(
         tools=tools,
         tool_choice={"type": "function", "function": {"name": "GetTime"}},
         max_tokens=300,
+        seed=2,
     )
     (call,) = named.choices[0].message.tool_calls
     assert call.function.name == "GetTime" and call.id.startswith("call_")
@@ -216,6 +226,7 @@ def test_streamed_tool_calls_accumulate_in_the_sdk(servers: dict[str, ServerProc
         tools=tools,
         tool_choice="required",
         max_tokens=300,
+        seed=3,  # sampled: with a seed the random model's number of calls is fixed
         stream_options={"include_usage": True},
     ) as stream:
         for _ in stream:
