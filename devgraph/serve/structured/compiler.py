@@ -71,6 +71,7 @@ class GrammarCompiler:
         self._setup: tuple[Any, Vocabulary, BitmaskMasker] | None = None
         self._cache: collections.OrderedDict[GrammarSpec, CompiledGrammar] = collections.OrderedDict()
         self._pool = CompilePool(limits.COMPILE_THREADS)
+        self._preparing: concurrent.futures.Future[Any] | None = None
 
     def check_allowed(self, spec: GrammarSpec) -> None:
         """:class:`GrammarRefused` when the operator did not allow ``spec``'s kind."""
@@ -81,9 +82,19 @@ class GrammarCompiler:
                 f"{allowed}); ask its operator, or leave the field out"
             )
 
+    def prepare(self) -> concurrent.futures.Future[Any]:
+        """Import llguidance and build the tokenizer table on the compile pool (about a second for a
+        150k-token vocabulary), once; the server starts it at start-up, so no request waits for it."""
+        with self._lock:
+            if self._preparing is None:
+                self._preparing = self._pool.submit(self._ready)
+            return self._preparing
+
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """``spec`` compiled on the compile pool (off the event loop) within ``limits.COMPILE_SECONDS``."""
+        """``spec`` compiled on the compile pool (off the event loop) within ``limits.COMPILE_SECONDS``
+        (the tokenizer table, built once, is not the request's time)."""
         self.check_allowed(spec)
+        await asyncio.wrap_future(self.prepare())
         with self._lock:
             cached = self._cache.get(spec)
             if cached is not None:
