@@ -108,6 +108,18 @@ def hf_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, HFCase]:
     return cases
 
 
+@pytest.fixture(scope="session")
+def tool_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny checkpoints with real instruct models' chat templates (Qwen2.5's Hermes tool calls, Llama
+    3.1's JSON ones): ``{"qwen2.5": dir, "llama3.1": dir}`` (see tests/tool_checkpoints.py)."""
+    for module in ("transformers", "tokenizers", "safetensors"):
+        pytest.importorskip(module, reason=f"serving a checkpoint needs {module}")
+    from tool_checkpoints import build_tool_checkpoint
+
+    root = tmp_path_factory.mktemp("tool_checkpoints")
+    return {family: build_tool_checkpoint(root / family, family) for family in ("qwen2.5", "llama3.1")}
+
+
 def write_distribution(root, dist_name: str, modules: dict[str, str], entry_points: dict[str, str]) -> None:
     """Install a distribution the way pip lays it out: modules plus ``*.dist-info`` with entry points.
 

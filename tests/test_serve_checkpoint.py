@@ -202,7 +202,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("payload", "param", "needle"),
     [
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "response_format", "response_format"),
+        ({**CHAT, "response_format": {"type": "grammar"}}, "response_format", "response_format type"),
         ({**CHAT, "n": 2}, "n", "n must be 1"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({**CHAT, "frequency_penalty": 0.3}, "frequency_penalty", "frequency_penalty 0.3 is not implemented"),
@@ -218,7 +218,15 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             "messages",
             "only text parts are served",
         ),
-        ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages", "tool_calls"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}
+                ]
+            },
+            "messages",
+            "tool_calls[0] needs function.name and function.arguments",
+        ),
         ({**CHAT, "model": "gpt-4"}, "model", "not served here"),
         ({**CHAT, "max_tokens": 10_000}, None, "the model's context is 256"),
         (

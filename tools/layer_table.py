@@ -126,7 +126,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
         Row(
             ("devgraph.serve.*",),
             "the serving application as one unit (its order is below): `engine/` (paged KV, continuous "
-            "batching, chunked prefill), `checkpoint/` (the model served: a Hugging Face checkpoint's "
+            "batching, chunked prefill), `structured/` (constrained decoding: grammars, their limits and "
+            "masks), `checkpoint/` (the model served: a Hugging Face checkpoint's "
             "config, weights, tokenizer, chat template and generation config, or a random-weight preset), "
             "`api/` (the OpenAI HTTP API and the timed start-up), `tp/` (serving over several ranks), "
             "`bench/` (the load generator), `cli.py` (the arguments of `devgraph serve` and `devgraph bench "
@@ -186,6 +187,7 @@ ORDERS: dict[str, tuple[tuple[str, ...], ...]] = {
     ),
     "devgraph.serve": (
         ("engine.*", "checkpoint.*"),  # the engine and the model it serves: no HTTP, no ranks
+        ("structured.*",),  # constrained decoding: the engine sees only its seam, engine/grammar.py
         ("api.*",),  # the OpenAI API and the timed start-up
         ("tp.*",),  # serving over several ranks: workers start up as rank 0 does
         ("api.server",),  # the server: the API, the engine loop and the ranks together

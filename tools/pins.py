@@ -38,7 +38,7 @@ LOCAL_COPY_DIR = ROOT / "build"
 PLUGINS = ["backends/cuda", "backends/rocm", "backends/npu"]
 #: Every extra of pyproject.toml: CI's set-up installs ``test``, which names them all, and the pins must
 #: cover each one a user may install.
-EXTRAS = "test,serve,metrics,transformers,triton"
+EXTRAS = "test,serve,structured,metrics,transformers,triton"
 DEFAULT_TORCH = "2.13.0"
 #: The Pythons the CI workflows run (.github/workflows/ci.yml); the generating one is installed, the others
 #: resolved where found.

@@ -258,6 +258,13 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds a request body may take to arrive; a slower client gets 408 (default 30)",
     )
     parser.add_argument(
+        "--structured-outputs",
+        choices=("all", "json", "none"),
+        default="all",
+        help="constraints requests may carry: all (default: JSON schemas, tool calls, regexes, choices, "
+        "grammars), json (JSON schemas and tool calls), none",
+    )
+    parser.add_argument(
         "--cpu-threads", type=_int_in(1, 1024), default=None, help="torch CPU threads (default: torch's)"
     )
     parser.add_argument(

@@ -36,10 +36,12 @@ from devgraph.serve.api.fields import Generation
 from devgraph.serve.api.generate import Outbox, Shape, respond
 from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import ApiError, ModelCard, error_body, model_list, model_object
+from devgraph.serve.api.structured import attach_grammar
 from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
 from devgraph.serve.checkpoint.text import Tokenizer
 from devgraph.serve.engine.loop import EngineAsleep, EngineClosed, EngineLoop
 from devgraph.serve.engine.request import RequestOutput
+from devgraph.serve.structured.compiler import GrammarCompiler
 
 __all__ = ["ServerState", "build_app", "json_errors"]
 
@@ -66,6 +68,19 @@ class ServerState:
     outbox: Outbox | None = None  # made on the event loop by the first request
     sleep_mode: bool = False  # --enable-sleep-mode: POST /sleep, POST /wake_up, GET /is_sleeping
     created: int = field(default_factory=lambda: int(time.time()))
+    structured_outputs: str = "all"  # --structured-outputs: which constraints requests may carry
+    grammars: GrammarCompiler | None = None  # made by the first constrained request
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The server's grammar compiler (llguidance is imported by its first compile, not here)."""
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(
+                self.tokenizer,
+                self.engine.engine.model_config.vocab_size,
+                self.eos_token_ids,
+                allowed=self.structured_outputs,
+            )
+        return self.grammars
 
     def card(self) -> ModelCard:
         config = self.engine.engine.model_config
@@ -274,6 +289,8 @@ async def _generation(request: web.Request, parse: Parser) -> web.StreamResponse
     arrival = time.monotonic()
     try:
         generation, shape = parse(await _read(request, state), state)
+        if generation.grammar is not None:  # compiled off the event loop, bounded, cached
+            generation = await attach_grammar(state.grammar_compiler(), generation)
         if state.engine.in_flight() >= state.max_queued:
             raise ApiError(429, f"{state.max_queued} requests are in flight; retry later", kind="overloaded")
     except ApiError as exc:

@@ -6,7 +6,9 @@ system, developer, user, assistant or tool and a ``content`` that is a string or
 ``max_completion_tokens`` / ``max_tokens`` (default: the rest of the context), ``logprobs`` (true/false)
 and ``top_logprobs`` (0 to 20, with ``logprobs``), and the template's own knobs as vLLM takes them:
 ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt``
-(default true) and ``continue_final_message``. Images, audio and tool calls are refused.
+(default true) and ``continue_final_message``; ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+(``tools.py``), assistant ``tool_calls`` and ``tool`` messages in history; the structured-output fields
+(``structured.py``). Images and audio are refused.
 
 A streamed answer opens with a chunk holding ``{"role": "assistant", "content": ""}``, then one chunk per
 step with the new text; with ``stream_options.include_usage`` a last chunk has ``choices: []`` and the
@@ -29,6 +31,9 @@ from devgraph.serve.api.fields import (
     sampling,
 )
 from devgraph.serve.api.protocol import ApiError, check_model
+from devgraph.serve.api.structured import STRUCTURED_FIELDS, parse_structured
+from devgraph.serve.api.tool_stream import ToolCallShape
+from devgraph.serve.api.tools import MESSAGE_EXTRAS, TOOL_FIELDS, history_message, parse_tools
 from devgraph.serve.checkpoint.text import Tokenizer
 from devgraph.serve.engine.request import MAX_LOGPROBS, TokenLogprob
 
@@ -42,9 +47,11 @@ FIELDS = COMMON_FIELDS | {
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    *STRUCTURED_FIELDS,
+    *TOOL_FIELDS,
 }
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_call_id", *MESSAGE_EXTRAS}
 
 
 def parse_chat(
@@ -55,7 +62,7 @@ def parse_chat(
     context: int,
     defaults: Mapping[str, Any],
     eos_token_ids: tuple[int, ...],
-) -> tuple[Generation, ChatShape]:
+) -> tuple[Generation, ChatShape | ToolCallShape]:
     """The checked request, its prompt rendered by the chat template, and how to shape its responses;
     :class:`ApiError` naming the field (a template that refuses the messages: 400 with its reason)."""
     if not isinstance(body, dict):
@@ -78,6 +85,16 @@ def parse_chat(
             "continue_final_message and add_generation_prompt cannot both be true",
             param="add_generation_prompt",
         )
+    calling = parse_tools(body, _template_text(tokenizer))
+    if calling is not None:  # the template's own `tools` variable renders them
+        kwargs = {**kwargs, "tools": calling.tools}
+    grammar = parse_structured(body)
+    if calling is not None and calling.grammar is not None:
+        if grammar is not None:
+            raise ApiError(
+                400, f"tool_choice constrains the answer; leave {grammar.origin} out", param=grammar.origin
+            )
+        grammar = calling.grammar
     prompt = tokenizer.chat_prompt(
         messages,
         add_generation_prompt=add_prompt,
@@ -92,8 +109,19 @@ def parse_chat(
     params, stops, include_stop = sampling(
         body, max_tokens=max_tokens, defaults=defaults, eos_token_ids=eos_token_ids, logprobs=top
     )
-    generation = Generation(prompt, params, stream, include_usage(body, stream), stops, include_stop, served)
-    return generation, ChatShape(tokenizer)
+    generation = Generation(
+        prompt, params, stream, include_usage(body, stream), stops, include_stop, served, grammar=grammar
+    )
+    shape = ChatShape(tokenizer)
+    return generation, (shape if calling is None else ToolCallShape(shape, calling))
+
+
+def _template_text(tokenizer: Tokenizer) -> str | None:
+    """The chat template's source (``None`` without one): it says whether and how tools are rendered."""
+    template = getattr(getattr(tokenizer, "transformers_tokenizer", None), "chat_template", None)
+    if isinstance(template, dict):  # named templates ("default", "tool_use", ...)
+        return "\n".join(str(t) for t in template.values())
+    return template if isinstance(template, str) else None
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -112,7 +140,11 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise ApiError(
                 400, f"{where}.role must be one of {', '.join(ROLES)}, got {shorten(role)}", param="messages"
             )
-        checked.append({**message, "content": _content(message.get("content"), where)})
+        rendered = history_message(message, where)  # tool calls in history (None when it has none)
+        if rendered is None:
+            rendered = {k: v for k, v in message.items() if k not in MESSAGE_EXTRAS}
+            rendered["content"] = _content(message.get("content"), where)
+        checked.append(rendered)
     return checked
 
 

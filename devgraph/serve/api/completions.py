@@ -4,7 +4,8 @@ Fields beyond the shared ones (``fields.py``): ``prompt`` (required: a string, e
 tokenizer with its special tokens, or a list of token ids), ``max_tokens`` (default 16), ``logprobs``
 (an int from 0 to 20: the sampled token's log probability and that many alternatives per token),
 ``echo`` (the prompt's text before the completion; not with ``logprobs``, which would need the prompt's
-log probabilities).
+log probabilities); the structured-output fields (``structured.py``: ``response_format``,
+``structured_outputs``, ``guided_*``).
 
 Each choice also carries ``token_ids`` (devgraph's addition): the generated ids, stop tokens left out.
 """
@@ -25,12 +26,13 @@ from devgraph.serve.api.fields import (
     sampling,
 )
 from devgraph.serve.api.protocol import ApiError, check_model
+from devgraph.serve.api.structured import STRUCTURED_FIELDS, parse_structured
 from devgraph.serve.checkpoint.text import Tokenizer
 from devgraph.serve.engine.request import MAX_LOGPROBS, TokenLogprob
 
 __all__ = ["CompletionShape", "parse_completion"]
 
-FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"}
+FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo"} | STRUCTURED_FIELDS
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -70,7 +72,16 @@ def parse_completion(
         eos_token_ids=eos_token_ids,
         logprobs=logprobs,
     )
-    generation = Generation(prompt, params, stream, include_usage(body, stream), stops, include_stop, served)
+    generation = Generation(
+        prompt,
+        params,
+        stream,
+        include_usage(body, stream),
+        stops,
+        include_stop,
+        served,
+        grammar=parse_structured(body),
+    )
     echoed = (text if text is not None else tokenizer.decoder().feed(prompt)) if echo else ""
     return generation, CompletionShape(tokenizer, echoed)
 

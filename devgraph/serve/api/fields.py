@@ -22,6 +22,7 @@ from devgraph.errors import InputError
 from devgraph.messages import shorten
 from devgraph.serve.api.protocol import ApiError
 from devgraph.serve.engine.request import MAX_STOP_TOKEN_IDS, SamplingParams
+from devgraph.serve.structured.spec import GrammarSpec
 
 __all__ = [
     "COMMON_FIELDS",
@@ -182,6 +183,7 @@ class Generation:
     stop_strings: tuple[str, ...]
     include_stop_str: bool
     model: str
+    grammar: GrammarSpec | None = None  # structured output: compiled before the request is queued
 
 
 def sampling(

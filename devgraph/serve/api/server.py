@@ -159,6 +159,7 @@ def _state(
         startup=startup.report(),
         body_timeout=args.body_timeout,
         sleep_mode=getattr(args, "enable_sleep_mode", False),
+        structured_outputs=getattr(args, "structured_outputs", "all"),
     )
 
 
@@ -172,6 +173,8 @@ async def _run(args: argparse.Namespace, engine: EngineLoop, state: Any) -> int:
     options: dict[str, Any] = {"access_log": None, "shutdown_timeout": SHUTDOWN_GRACE}
     if _aiohttp_version() >= (3, 9):
         options["handler_cancellation"] = True  # a client that goes away cancels its handler
+    if state.structured_outputs != "none":  # the tokenizer table for grammars, built in the background
+        state.grammar_compiler().prepare()  # (a failure is the first constrained request's answer)
     runner = web.AppRunner(build_app(state), **options)
     await runner.setup()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)

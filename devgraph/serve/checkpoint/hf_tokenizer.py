@@ -85,6 +85,11 @@ class HFTokenizer:
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
 
     @property
+    def transformers_tokenizer(self) -> Any:
+        """The transformers tokenizer itself (structured output builds its token table from it)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         """Ids the tokenizer can produce (special tokens included)."""
         return len(self._tokenizer)

@@ -29,6 +29,7 @@ from devgraph.serve.engine import sleep
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables
 from devgraph.serve.engine.batch import StepBatch, decode_batch, prefill_batch
 from devgraph.serve.engine.config import EngineConfig
+from devgraph.serve.engine.grammar import GrammarFailed
 from devgraph.serve.engine.limits import cap_phase_sizes
 from devgraph.serve.engine.request import (
     FinishReason,
@@ -334,9 +335,17 @@ class Engine:
         request.last_token_time = now
         if token in request.stop_ids:
             return self._finish(request, FinishReason.STOP, [], ttft=ttft)
+        complete = False  # constrained decoding: the grammar ends the request once its output is whole
+        if request.grammar is not None:
+            try:
+                complete = request.grammar.advance(token)
+            except GrammarFailed as exc:  # this request's grammar alone: the step's others go on
+                return self._finish(request, FinishReason.ERROR, [], error=str(exc), ttft=ttft)
         request.output.append(token)
         self.generation_tokens += 1
         logprobs = None if logprob is None else [logprob]
+        if complete:
+            return self._finish(request, FinishReason.STOP, [token], ttft=ttft, itl=itl, logprobs=logprobs)
         if len(request.output) >= params.max_tokens or request.num_tokens >= self.model_config.max_seq_len:
             return self._finish(request, FinishReason.LENGTH, [token], ttft=ttft, itl=itl, logprobs=logprobs)
         return RequestOutput(

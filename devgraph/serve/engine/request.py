@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from devgraph.errors import InputError
 from devgraph.messages import shorten
+from devgraph.serve.engine.grammar import Grammar, GrammarState
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -74,6 +75,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     top_k: int = 0
     logprobs: int | None = None
+    #: Constrained decoding (structured output, tool calls): each request gets its own state of it.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -141,9 +144,12 @@ class Request:
     last_token_time: float | None = None
     rng: random.Random | None = None
     stop_ids: frozenset[int] = frozenset()  # the params' stop token ids, checked once per sampled token
+    grammar: GrammarState | None = None  # this request's place in params.grammar, if any
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids)
+        if self.params.grammar is not None:
+            self.grammar = self.params.grammar.start()
         if not self.params.greedy:
             seed = self.params.seed if self.params.seed is not None else random.SystemRandom().getrandbits(64)
             self.rng = random.Random(seed)

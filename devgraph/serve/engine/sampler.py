@@ -16,14 +16,21 @@ the other requests of its step.
 Log probabilities (for requests that ask) are the model's raw distribution, ``log_softmax`` of the
 float32 logits before temperature, top-k and top-p (what vLLM returns by default): the sampled token's
 and the most likely ones'.
+
+A request with a grammar (structured output, tool calls; see :mod:`~devgraph.serve.engine.grammar`) has
+its row masked first: tokens its grammar forbids get ``-inf``, for sampling and log probabilities alike
+(as vLLM does). The masks are computed on the host while the device still runs the step's forward: the
+logits are not read before the masks are applied.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
+from devgraph.serve.engine.grammar import GrammarState, LogitsMasker
 from devgraph.serve.engine.request import Request, TokenLogprob
 
 __all__ = ["Sampler"]
@@ -40,6 +47,7 @@ class Sampler:
         self, logits: torch.Tensor, requests: Sequence[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Each row's token and, for requests with ``logprobs`` set, its log probabilities."""
+        logits = _constrain(logits, requests)
         tokens = self._tokens(logits, requests)
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         host = [int(t) for t in tokens.tolist()]
@@ -71,6 +79,21 @@ class Sampler:
         return greedy.index_copy(0, rows, picked)
 
 
+def _constrain(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """The logits with each constrained row masked by its grammar (one masker call per tokenizer)."""
+    groups: dict[int, tuple[LogitsMasker, list[int], list[GrammarState]]] = {}
+    for row, request in enumerate(requests):
+        state = request.grammar
+        if state is not None:
+            masker = state.masker
+            _, rows, states = groups.setdefault(id(masker), (masker, [], []))
+            rows.append(row)
+            states.append(state)
+    for masker, rows, states in groups.values():
+        logits = masker.mask(logits, rows, states)
+    return logits
+
+
 def _logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], requests: Sequence[Request]
 ) -> list[TokenLogprob]:
@@ -83,7 +106,8 @@ def _logprobs(
     entries = []
     for j, i in enumerate(wanted):
         count = requests[i].params.logprobs or 0
-        top = tuple(zip(ids[j][:count], values[j][:count], strict=True))
+        # A grammar's forbidden tokens (-inf) are no alternatives: fewer than asked where it allows fewer.
+        top = tuple((t, v) for t, v in zip(ids[j][:count], values[j][:count], strict=True) if v != -math.inf)
         entries.append(TokenLogprob(int(picked[j]), float(chosen[j]), top))
     return entries
 
