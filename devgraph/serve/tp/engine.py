@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from devgraph.serve.engine.batch import StepBatch
-from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.engine import Engine, StepResult
 from devgraph.serve.tp.channel import StepChannel
 
 __all__ = ["TPEngine"]
@@ -26,7 +24,7 @@ class TPEngine(Engine):
         self.on_failure = on_failure
         super().__init__(*args, **kwargs)
 
-    def forward(self, kind: str, batch: StepBatch) -> torch.Tensor:
+    def forward(self, kind: str, batch: StepBatch) -> StepResult:
         # The inputs are small host lists turned into tensors; the workers rebuild them on their device.
         inputs = {name: tensor.cpu() for name, tensor in batch.inputs.items()}
         try:
