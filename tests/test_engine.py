@@ -143,7 +143,7 @@ def test_a_request_larger_than_the_cache_or_context_is_refused(small_cache_model
     with pytest.raises(InputError, match="token ids"):
         engine.add_request([1, 512], SamplingParams())
     with pytest.raises(InputError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
     with pytest.raises(ConfigError, match="token_budget"):
         EngineConfig(max_running_requests=8, token_budget=4)
     engine.close()

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from devgraph.serve.api.chat import ChatShape
+from devgraph.serve.api.generate import Choice
 from devgraph.serve.api.protocol import ApiError
+from devgraph.serve.api.stops import StopMatcher
 from devgraph.serve.api.tool_stream import ToolCallShape
 from devgraph.serve.api.tools import ToolFormat, history_message, parse_tools
 from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
@@ -137,15 +139,19 @@ def test_history_gives_the_template_arguments_as_objects() -> None:
         history_message({**message, "refusal": "no"}, "m")
 
 
+def _choice(text: str = "", finish: str | None = None) -> Choice:
+    return Choice(0, 0, ByteTokenizer().decoder(), StopMatcher(()), text=text, finish=finish)
+
+
 def _stream(shape: ToolCallShape, pieces: list[str]) -> tuple[str, list[dict[str, Any]], str | None]:
     content, calls, finish = "", [], None
+    choice = _choice()
     for index, piece in enumerate(pieces):
-        last = index == len(pieces) - 1
-        chunk = shape.chunk(piece, [], None, "stop" if last else None)
-        choice = chunk["choices"][0]
-        content += choice["delta"].get("content") or ""
-        calls += choice["delta"].get("tool_calls", [])
-        finish = choice["finish_reason"]
+        choice.finish = "stop" if index == len(pieces) - 1 else None
+        delta_choice = shape.piece(choice, piece, [], None)
+        content += delta_choice["delta"].get("content") or ""
+        calls += delta_choice["delta"].get("tool_calls", [])
+        finish = delta_choice["finish_reason"]
     return content, calls, finish
 
 
@@ -162,7 +168,7 @@ def test_streamed_deltas_add_up_to_the_whole_answer(templates: dict[str, str], f
         text = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
     calling = parse_tools({"tools": [WEATHER, TIME]}, templates[form])
     assert calling is not None
-    whole = ToolCallShape(ChatShape(ByteTokenizer()), calling).whole(text, [], None, "stop")["choices"][0]
+    whole = ToolCallShape(ChatShape(ByteTokenizer()), calling).whole(_choice(text, "stop"), None)
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
     content, calls, finish = _stream(ToolCallShape(ChatShape(ByteTokenizer()), calling), pieces)
     assert finish == whole["finish_reason"] == "tool_calls"

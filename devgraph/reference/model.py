@@ -187,7 +187,8 @@ class ReferenceModel(nn.Module):
 
     * :meth:`decode_step`: one token per request -> logits ``[B, vocab]``;
     * :meth:`prefill_step`: packed tokens of several requests (chunked prefill: a cached prefix is fine)
-      -> logits of each request's last token ``[R, vocab]``;
+      -> logits of each request's last token ``[R, vocab]`` (:meth:`prefill_step_with_hidden`: and every
+      token's final hidden state);
     * :meth:`verify_step`: packed ``1 + k`` tokens per request (speculative decoding) -> logits of every
       token ``[T, vocab]``.
 
@@ -298,10 +299,25 @@ class ReferenceModel(nn.Module):
     ) -> torch.Tensor:
         """Packed tokens of ``R`` requests (``cu_seqlens_q [R + 1]``) -> logits of each request's last
         token, ``[R, vocab_size]`` (a request with no tokens, a padding request, gets a meaningless row)."""
+        inputs = (input_ids, positions, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+        return self.prefill_step_with_hidden(*inputs)[0]
+
+    def prefill_step_with_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`prefill_step`'s logits ``[R, vocab_size]`` and the final-normed hidden states of every
+        token ``[T, hidden_size]``: a server that needs other rows' logits (a prompt's log probabilities)
+        applies :meth:`compute_logits` to just those rows, so a step without such a request pays nothing."""
         meta = PagedMetadata(slot_mapping, block_tables, seq_lens, cu_seqlens_q)
         hidden = self.hidden_states(input_ids, positions, meta)
         last = (cu_seqlens_q[1:].long() - 1).clamp(min=0)
-        return self.compute_logits(hidden.index_select(0, last))
+        return self.compute_logits(hidden.index_select(0, last)), hidden
 
     def verify_step(
         self,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from devgraph import REQUESTS, GraphRunner
+from devgraph import REQUESTS, TOKENS, GraphRunner
 from devgraph.reference.inputs import reference_inputs
 from devgraph.reference.model import ReferenceModel
 
@@ -17,14 +18,20 @@ def decode_runner(model: ReferenceModel, **kwargs: Any) -> GraphRunner:
     return GraphRunner(model.decode_step, phase="decode", inputs=reference_inputs(model, "decode"), **kwargs)
 
 
-def prefill_runner(model: ReferenceModel, **kwargs: Any) -> GraphRunner:
+def prefill_runner(model: ReferenceModel, *, hidden_states: bool = False, **kwargs: Any) -> GraphRunner:
     """A prefill-phase runner over ``model.prefill_step`` (sizes are packed token counts; up to
-    ``max_requests`` requests per step, one request bucket per token size)."""
+    ``max_requests`` requests per step, one request bucket per token size). ``hidden_states=True``: over
+    ``model.prefill_step_with_hidden`` instead, returning ``(last-token logits, every token's hidden
+    state)``."""
     kwargs.setdefault("device", model.device)
     kwargs.setdefault("axes", {REQUESTS: model.config.max_requests})
-    return GraphRunner(
-        model.prefill_step, phase="prefill", inputs=reference_inputs(model, "prefill"), **kwargs
-    )
+    forward: Callable[..., Any]
+    if hidden_states:
+        kwargs.setdefault("output_axes", [REQUESTS, TOKENS])
+        forward = model.prefill_step_with_hidden
+    else:
+        forward = model.prefill_step
+    return GraphRunner(forward, phase="prefill", inputs=reference_inputs(model, "prefill"), **kwargs)
 
 
 def verify_runner(model: ReferenceModel, tokens_per_request: int, **kwargs: Any) -> GraphRunner:

@@ -33,14 +33,13 @@ from devgraph.messages import shorten
 from devgraph.serve.api.chat import parse_chat
 from devgraph.serve.api.completions import parse_completion
 from devgraph.serve.api.fields import Generation
-from devgraph.serve.api.generate import Outbox, Shape, respond
+from devgraph.serve.api.generate import ASLEEP_MESSAGE, Outbox, Shape, respond
 from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import ApiError, ModelCard, error_body, model_list, model_object
 from devgraph.serve.api.structured import attach_grammar
 from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
 from devgraph.serve.checkpoint.text import Tokenizer
-from devgraph.serve.engine.loop import EngineAsleep, EngineClosed, EngineLoop
-from devgraph.serve.engine.request import RequestOutput
+from devgraph.serve.engine.loop import EngineLoop
 from devgraph.serve.structured.compiler import GrammarCompiler
 
 __all__ = ["ServerState", "build_app", "json_errors"]
@@ -186,8 +185,7 @@ async def _is_sleeping(request: web.Request) -> web.Response:
 
 
 def _asleep_error() -> web.Response:
-    message = "the server is asleep (sleep mode): POST /wake_up, then send requests again"
-    return _error(ApiError(503, message, kind="unavailable"))
+    return _error(ApiError(503, ASLEEP_MESSAGE, kind="unavailable"))
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -286,7 +284,6 @@ async def _generation(request: web.Request, parse: Parser) -> web.StreamResponse
         return _error(ApiError(503, "the server is shutting down", kind="unavailable"))
     if state.sleep_mode and state.engine.is_sleeping:
         return _asleep_error()
-    arrival = time.monotonic()
     try:
         generation, shape = parse(await _read(request, state), state)
         if generation.grammar is not None:  # compiled off the event loop, bounded, cached
@@ -302,25 +299,15 @@ async def _generation(request: web.Request, parse: Parser) -> web.StreamResponse
         return _error(ApiError(500, "the server failed to read this request; see its log"))
     if state.outbox is None:
         state.outbox = Outbox(asyncio.get_running_loop())
-    outbox = state.outbox
-    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-    metrics = state.metrics
-
-    def sink(output: RequestOutput) -> None:  # on the engine thread
-        if metrics is not None:
-            metrics.observe(output, time.monotonic() - arrival)
-        outbox.put(queue, output)
-
     try:
-        request_id = state.engine.submit(generation.prompt, generation.params, sink)
-    except InputError as exc:
-        return _error(ApiError(400, str(exc)))
-    except EngineAsleep:
-        return _asleep_error()
-    except EngineClosed as exc:
-        return _error(ApiError(503, str(exc), kind="unavailable"))
-    decoder = state.tokenizer.decoder(generation.prompt)
-    try:
-        return await respond(request, state.engine, generation, shape, queue, request_id, decoder)
-    except ApiError as exc:  # the engine failed the request
+        return await respond(
+            request,
+            state.engine,
+            generation,
+            shape,
+            outbox=state.outbox,
+            tokenizer=state.tokenizer,
+            metrics=state.metrics,
+        )
+    except ApiError as exc:  # refused by the engine (400, 503), or failed by it before a stream (500)
         return _error(exc)

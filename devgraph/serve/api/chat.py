@@ -12,7 +12,8 @@ and ``top_logprobs`` (0 to 20, with ``logprobs``), and the template's own knobs 
 
 A streamed answer opens with a chunk holding ``{"role": "assistant", "content": ""}``, then one chunk per
 step with the new text; with ``stream_options.include_usage`` a last chunk has ``choices: []`` and the
-usage. Choices and deltas also carry ``token_ids`` (devgraph's addition).
+usage (with ``continuous_usage_stats``, every chunk carries the usage so far). ``n`` choices are copies
+sampled after one prefill. Choices and deltas also carry ``token_ids`` (devgraph's addition).
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from devgraph.serve.api.fields import (
     as_bool,
     as_int,
     check_fields,
+    choices,
     include_usage,
     sampling,
 )
+from devgraph.serve.api.generate import Choice
+from devgraph.serve.api.logprobs import TokenNames
 from devgraph.serve.api.protocol import ApiError, check_model
 from devgraph.serve.api.structured import STRUCTURED_FIELDS, parse_structured
 from devgraph.serve.api.tool_stream import ToolCallShape
@@ -105,12 +109,25 @@ def parse_chat(
     stream = as_bool(body, "stream", False)
     limit = as_int(body, "max_completion_tokens", None)
     limit = as_int(body, "max_tokens", None) if limit is None else limit
+    if limit is not None and limit < 1:  # (completions take 0, for echo; a chat answer has no echo)
+        raise ApiError(400, f"max_tokens must be an integer >= 1, got {limit}", param="max_tokens")
     max_tokens = limit if limit is not None else max(1, context - len(prompt))
+    n = choices(body)
     params, stops, include_stop = sampling(
-        body, max_tokens=max_tokens, defaults=defaults, eos_token_ids=eos_token_ids, logprobs=top
+        body, max_tokens=max_tokens, defaults=defaults, eos_token_ids=eos_token_ids, logprobs=top, copies=n
     )
+    usage, continuous = include_usage(body, stream)
     generation = Generation(
-        prompt, params, stream, include_usage(body, stream), stops, include_stop, served, grammar=grammar
+        [prompt],
+        params,
+        stream,
+        usage,
+        stops,
+        include_stop,
+        served,
+        grammar=grammar,
+        n=n,
+        continuous_usage=continuous,
     )
     shape = ChatShape(tokenizer)
     return generation, (shape if calling is None else ToolCallShape(shape, calling))
@@ -183,47 +200,45 @@ def _top_logprobs(body: Mapping[str, Any]) -> int | None:
 
 
 class ChatShape:
-    """``chat.completion`` bodies and ``chat.completion.chunk`` stream chunks."""
+    """``chat.completion`` choices, whole and as ``chat.completion.chunk`` deltas (see
+    :class:`~.generate.Shape`); log probabilities name tokens and give their own bytes as
+    :mod:`~devgraph.serve.api.logprobs` says."""
 
     object = "chat.completion"
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.tokenizer.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+        self.names = TokenNames(tokenizer)
 
     def _logprobs(self, entries: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
         if entries is None:
             return None
         content = []
         for e in entries:
-            item = self._entry(e.token, e.logprob)
-            item["top_logprobs"] = [self._entry(i, lp) for i, lp in e.top]
+            item = self.names.chat_entry(e.token, e.logprob)
+            item["top_logprobs"] = [self.names.chat_entry(i, lp) for i, lp in e.top]
             content.append(item)
         return {"content": content}
 
-    def first(self) -> dict[str, Any] | None:
+    def opening(self, choice: Choice) -> dict[str, Any] | None:
         delta = {"role": "assistant", "content": ""}
-        return {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+        return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def chunk(
-        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
+    def piece(
+        self, choice: Choice, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None
     ) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text, "token_ids": ids} if text or ids else {}
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
-        return {"choices": [choice]}
-
-    def whole(
-        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
-    ) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
-        choice = {
-            "index": 0,
-            "message": message,
-            "token_ids": ids,
+        return {
+            "index": choice.index,
+            "delta": delta,
             "logprobs": self._logprobs(logprobs),
-            "finish_reason": finish,
+            "finish_reason": choice.finish,
         }
-        return {"choices": [choice]}
+
+    def whole(self, choice: Choice, logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text},
+            "token_ids": choice.ids,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": choice.finish,
+        }

@@ -8,7 +8,9 @@ so a client never believes a setting took effect when it did not. Fields that on
 
 Shared fields: ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``
 (strings, or token ids as devgraph has always taken them), ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``stream``, ``stream_options`` (``include_usage``), ``n`` (1).
+``include_stop_str_in_output``, ``stream``, ``stream_options`` (``include_usage``,
+``continuous_usage_stats``), ``n`` (choices per prompt: copies sampled after one prefill, sharing its KV
+blocks).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from devgraph.errors import InputError
 from devgraph.messages import shorten
 from devgraph.serve.api.protocol import ApiError
-from devgraph.serve.engine.request import MAX_STOP_TOKEN_IDS, SamplingParams
+from devgraph.serve.engine.request import MAX_COPIES, MAX_STOP_TOKEN_IDS, SamplingParams
 from devgraph.serve.structured.spec import GrammarSpec
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "as_bool",
     "as_int",
     "check_fields",
+    "choices",
     "include_usage",
     "sampling",
 ]
@@ -72,7 +75,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_p": (_zero, "0"),
     "min_tokens": (_zero, "0"),
     "logit_bias": (_empty, "{}"),
-    "best_of": (_one, "1"),
     "suffix": (lambda v: v is None or v == "", "null"),
     "echo": (_false, "false"),
     "tools": (_empty, "[]"),
@@ -174,9 +176,12 @@ def _stops(body: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class Generation:
-    """A checked generation request, whichever route it came from."""
+    """A checked generation request, whichever route it came from: one or more ``prompts``, each run as
+    one engine request of ``params.n`` copies (``best_of`` for completions) of which ``n`` are returned
+    as choices (the most likely ones when ``best_of > n``). ``client_logprobs``: whether the client asked
+    for the log probabilities (``best_of`` computes them to rank the copies anyway)."""
 
-    prompt: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -184,6 +189,14 @@ class Generation:
     include_stop_str: bool
     model: str
     grammar: GrammarSpec | None = None  # structured output: compiled before the request is queued
+    n: int = 1
+    continuous_usage: bool = False
+    client_logprobs: bool = True
+
+    @property
+    def prompt(self) -> list[int]:
+        """The first prompt (the only one, for chat)."""
+        return self.prompts[0]
 
 
 def sampling(
@@ -193,12 +206,12 @@ def sampling(
     defaults: Mapping[str, Any],
     eos_token_ids: tuple[int, ...],
     logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    copies: int = 1,
 ) -> tuple[SamplingParams, tuple[str, ...], bool]:
     """The request's sampling parameters (the model's ``defaults`` where the request sets none; the
-    model's EOS ids added to the stop ids unless ``ignore_eos``), its stop strings, and whether to keep a
-    stop string in the output."""
-    if as_int(body, "n", 1) != 1:
-        raise ApiError(400, "n must be 1: send one request per completion", param="n")
+    model's EOS ids added to the stop ids unless ``ignore_eos``; ``copies`` sampled per prompt), its stop
+    strings, and whether to keep a stop string in the output."""
     ids, strings = _stops(body)
     if not as_bool(body, "ignore_eos", False):
         ids = tuple(dict.fromkeys((*ids, *eos_token_ids)))
@@ -212,17 +225,29 @@ def sampling(
             seed=as_int(body, "seed", None),
             stop_token_ids=ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            n=copies,
         )
     except InputError as exc:
         raise ApiError(400, str(exc), param=_field_named(str(exc))) from None
     return params, strings, as_bool(body, "include_stop_str_in_output", False)
 
 
-def include_usage(body: Mapping[str, Any], stream: bool) -> bool:
-    """``stream_options.include_usage`` (only with ``stream``; ``continuous_usage_stats`` is refused)."""
+def choices(body: Mapping[str, Any]) -> int:
+    """``n``: the choices per prompt (1 to :data:`MAX_COPIES`)."""
+    n = as_int(body, "n", 1)
+    assert n is not None
+    if not 1 <= n <= MAX_COPIES:
+        raise ApiError(400, f"n must be an integer from 1 to {MAX_COPIES}", param="n")
+    return n
+
+
+def include_usage(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
+    """``stream_options``: ``include_usage`` (a last chunk with the usage) and ``continuous_usage_stats``
+    (the usage so far in every chunk, as vLLM sends it); only with ``stream``."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if not isinstance(options, dict):
@@ -232,17 +257,14 @@ def include_usage(body: Mapping[str, Any], stream: bool) -> bool:
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
         raise ApiError(400, f"stream_options does not take {unknown}", param="stream_options")
-    if options.get("continuous_usage_stats"):
-        raise ApiError(
-            400,
-            "stream_options.continuous_usage_stats is not implemented by devgraph serve; usage comes "
-            "once, in the last chunk (include_usage)",
-            param="stream_options",
-        )
-    return as_bool(options, "include_usage", False)
+    try:
+        return as_bool(options, "include_usage", False), as_bool(options, "continuous_usage_stats", False)
+    except ApiError as exc:
+        raise ApiError(400, f"stream_options.{exc.message}", param="stream_options") from None
 
 
 def _field_named(message: str) -> str | None:
     """The request field a :class:`SamplingParams` error is about (its messages start with the name)."""
     first = message.split(" ", 1)[0]
-    return first if first in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs") else None
+    named = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "n")
+    return first if first in named else None

@@ -1,12 +1,23 @@
 """Running one checked generation request through the engine, for either route.
 
-The engine thread hands each step's output to the request's queue (through :class:`Outbox`: one
-event-loop wake-up per step, not one per token). The handler turns token ids into text with the
-tokenizer's incremental decoder, watches for stop strings (:class:`~devgraph.serve.api.stops.StopMatcher`:
-on a match the request ends at once with ``finish_reason: "stop"``), and answers with the route's shape:
-one JSON body, or server-sent events ending in ``data: [DONE]``. A handler that ends before its request
-finished (the client went away: a failed write, or aiohttp cancelling the handler) aborts the request,
-which frees its KV blocks.
+A request holds one or more prompts (a completions ``prompt`` list); each is submitted as one engine
+request of ``n`` copies (``best_of`` copies where that is larger), which the engine samples from one
+prefill. The engine thread hands each step's outputs to the request's queue (through :class:`Outbox`: one
+event-loop wake-up per step, not one per token). Each choice (a copy) turns its token ids into text with
+the tokenizer's incremental decoder, watches for stop strings
+(:class:`~devgraph.serve.api.stops.StopMatcher`: on a match that copy ends at once with
+``finish_reason: "stop"``), and the answer takes the route's shape: one JSON body, or server-sent events
+ending in ``data: [DONE]``. Choice ``i`` of prompt ``p`` has ``index`` ``p * n + i``; with ``best_of``,
+the ``n`` copies of highest cumulative log probability are returned.
+
+A stream never sends a chunk with empty text, except a choice's last (its ``finish_reason``): tokens
+whose text is not out yet (part of a character, the start of a possible stop string) travel with the
+next chunk that has text, ids and log probabilities included, so a client that counts chunks as tokens
+is never told of a token without its text. ``stream_options.continuous_usage_stats`` puts the usage so
+far in every chunk.
+
+A handler that ends before its request finished (the client went away: a failed write, or aiohttp
+cancelling the handler) aborts every copy, which frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -15,38 +26,90 @@ import asyncio
 import collections
 import json
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from devgraph.errors import InputError
 from devgraph.serve.api.fields import Generation
+from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import ApiError, error_body, now
 from devgraph.serve.api.stops import StopMatcher
-from devgraph.serve.checkpoint.text import IncrementalDecoder
-from devgraph.serve.engine.loop import EngineLoop
+from devgraph.serve.checkpoint.text import IncrementalDecoder, Tokenizer
+from devgraph.serve.engine.loop import EngineAsleep, EngineClosed, EngineLoop
 from devgraph.serve.engine.request import FinishReason, RequestOutput, TokenLogprob
 
-__all__ = ["Outbox", "Shape", "respond"]
+__all__ = ["ASLEEP_MESSAGE", "Choice", "Outbox", "Shape", "respond"]
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+ASLEEP_MESSAGE = "the server is asleep (sleep mode): POST /wake_up, then send requests again"
+
+
+@dataclass
+class Choice:
+    """One choice (a copy of one prompt) as the client sees it so far."""
+
+    prompt: int  # which prompt of the request
+    copy: int  # which copy of that prompt
+    decoder: IncrementalDecoder
+    stops: StopMatcher
+    index: int = 0  # the choice's index in the response
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    text: str = ""
+    finish: str | None = None
+    error: str | None = None
+    sent_first: bool = False  # a stream chunk of this choice went out
+    pending_ids: list[int] = field(default_factory=list)  # streamed: waiting for their text
+    pending_logprobs: list[TokenLogprob] | None = None
+
+    def take(self, output: RequestOutput) -> str:
+        """This output's text (stop strings applied); records its ids and log probabilities, and
+        ``finish`` when the choice ended."""
+        self.ids += output.token_ids
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        if output.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + output.logprobs
+        text = self.stops.feed(self.decoder.feed(output.token_ids))
+        if self.stops.stopped:
+            self.finish = str(FinishReason.STOP)
+        elif output.finished:
+            text += self.stops.feed(self.decoder.flush())
+            text += self.stops.flush()
+            self.finish = "stop" if self.stops.stopped else str(output.finish_reason)
+            if output.finish_reason is FinishReason.ERROR:
+                self.error = output.error
+        self.text += text
+        return text
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(entry.logprob for entry in self.logprobs or ())
 
 
 class Shape(Protocol):
-    """A route's response bodies (without id, object, created, model and usage, which are common)."""
+    """A route's choices (the id, object, created, model and usage around them are common)."""
 
     object: str
 
-    def first(self) -> dict[str, Any] | None: ...
+    def opening(self, choice: Choice) -> dict[str, Any] | None:
+        """The stream's first chunk of a choice, before any text (chat: the assistant role), or None."""
+        ...
 
-    def chunk(
-        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
-    ) -> dict[str, Any]: ...
+    def piece(
+        self, choice: Choice, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        """A stream chunk's choice: new text, its ids and log probabilities; ``choice.finish`` if ended."""
+        ...
 
-    def whole(
-        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
-    ) -> dict[str, Any]: ...
+    def whole(self, choice: Choice, logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any]:
+        """A whole response's choice."""
+        ...
 
 
 class Outbox:
@@ -81,41 +144,84 @@ class Outbox:
             queue.put_nowait(output)
 
 
-@dataclass
-class _Progress:
-    """What a request has produced so far, as the client sees it."""
+class _Run:
+    """The engine requests of one HTTP request and their choices."""
 
-    decoder: IncrementalDecoder
-    stops: StopMatcher
-    prompt_tokens: int
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish: str | None = None
-    error: str | None = None
+    def __init__(self, engine: EngineLoop, generation: Generation, tokenizer: Tokenizer) -> None:
+        self.engine = engine
+        self.generation = generation
+        copies = generation.params.n
+        self.groups: dict[str, int] = {}  # engine request id -> prompt index
+        self.choices: dict[tuple[int, int], Choice] = {}
+        for p, prompt in enumerate(generation.prompts):
+            for c in range(copies):
+                stops = StopMatcher(generation.stop_strings, generation.include_stop_str)
+                self.choices[p, c] = Choice(p, c, tokenizer.decoder(prompt), stops, index=p * copies + c)
+        self.open = len(self.choices)
+        self.failed: str | None = None
 
-    def take(self, output: RequestOutput) -> tuple[str, list[int], list[TokenLogprob] | None]:
-        """This output's text (stop strings applied), ids and log probabilities; sets ``finish``."""
-        self.ids += output.token_ids
-        if output.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + output.logprobs
-        text = self.stops.feed(self.decoder.feed(output.token_ids))
-        if self.stops.stopped:
-            self.finish = str(FinishReason.STOP)
-        elif output.finished:
-            text += self.stops.feed(self.decoder.flush())
-            text += self.stops.flush()
-            self.finish = "stop" if self.stops.stopped else str(output.finish_reason)
-            if output.finish_reason is FinishReason.ERROR:
-                self.error = output.error
-        return text, output.token_ids, output.logprobs
+    def submit(
+        self, queue: asyncio.Queue[RequestOutput], outbox: Outbox, metrics: ServeMetrics | None
+    ) -> None:
+        """Check every prompt, then submit each (so a bad second prompt submits none)."""
+        params = self.generation.params
+        for prompt in self.generation.prompts:
+            self.engine.engine.check_request(prompt, params)
+        arrival = time.monotonic()
+
+        def sink(output: RequestOutput) -> None:  # on the engine thread
+            if metrics is not None:
+                metrics.observe(output, time.monotonic() - arrival)
+            outbox.put(queue, output)
+
+        for p, prompt in enumerate(self.generation.prompts):
+            self.groups[self.engine.submit(prompt, params, sink)] = p
+
+    def abort(self) -> None:
+        for group in self.groups:
+            self.engine.abort(group)
+
+    async def next(self, queue: asyncio.Queue[RequestOutput]) -> tuple[Choice, str, RequestOutput]:
+        """The next output: its choice and new text (a choice that reached a stop string is aborted)."""
+        output = await queue.get()
+        choice = self.choices[self.groups[output.group], output.index]
+        was_open = choice.finish is None
+        text = choice.take(output)
+        if choice.stops.stopped and not output.finished:
+            self.engine.abort(output.group, FinishReason.STOP, output.index)
+        if was_open and choice.finish is not None:
+            self.open -= 1
+        if choice.error is not None:
+            self.failed = choice.error
+        return choice, text, output
 
     def usage(self) -> dict[str, int]:
-        count = len(self.ids)
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": count,
-            "total_tokens": self.prompt_tokens + count,
-        }
+        prompt = sum(len(p) for p in self.generation.prompts)
+        completion = sum(len(c.ids) for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def returned(self) -> list[Choice]:
+        """The choices the response holds, by index: all, or with ``best_of`` the ``n`` most likely copies
+        of each prompt (indexed ``p * n + rank``)."""
+        n, copies = self.generation.n, self.generation.params.n
+        if n == copies:
+            return sorted(self.choices.values(), key=lambda c: c.index)
+        kept = []
+        for p in range(len(self.generation.prompts)):
+            ranked = sorted(
+                (self.choices[p, c] for c in range(copies)), key=lambda c: c.cumulative_logprob, reverse=True
+            )
+            for rank, choice in enumerate(ranked[:n]):
+                choice.index = p * n + rank
+                kept.append(choice)
+        return kept
+
+    def group_tokens(self) -> list[int]:
+        """Per prompt, the most tokens any of its copies generated (request_max_num_generation_tokens)."""
+        most = [0] * len(self.generation.prompts)
+        for choice in self.choices.values():
+            most[choice.prompt] = max(most[choice.prompt], len(choice.ids))
+        return most
 
 
 async def respond(
@@ -123,26 +229,41 @@ async def respond(
     engine: EngineLoop,
     generation: Generation,
     shape: Shape,
-    queue: asyncio.Queue[RequestOutput],
-    request_id: str,
-    decoder: IncrementalDecoder,
+    *,
+    outbox: Outbox,
+    tokenizer: Tokenizer,
+    metrics: ServeMetrics | None,
 ) -> web.StreamResponse:
-    """Answer ``request`` from ``queue`` (its engine outputs); aborts the engine request if the handler
-    ends first. ``request_id`` is the engine's, ``cmpl-N`` (chat responses are ``chatcmpl-N``)."""
-    progress = _Progress(
-        decoder, StopMatcher(generation.stop_strings, generation.include_stop_str), len(generation.prompt)
-    )
+    """Submit ``generation`` and answer ``request`` from its outputs; aborts every engine request if the
+    handler ends first. :class:`ApiError`: 400 for a prompt the engine cannot take, 503 while it is
+    closing or asleep, 500 when the engine failed the request (before a stream started)."""
+    run = _Run(engine, generation, tokenizer)
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    try:
+        run.submit(queue, outbox, metrics)
+    except InputError as exc:
+        run.abort()
+        raise ApiError(400, str(exc)) from None
+    except EngineAsleep:
+        run.abort()
+        raise ApiError(503, ASLEEP_MESSAGE, kind="unavailable") from None
+    except EngineClosed as exc:
+        run.abort()
+        raise ApiError(503, str(exc), kind="unavailable") from None
     finished = False
     try:
         if generation.stream:
-            response = await _stream(request, engine, generation, shape, queue, request_id, progress)
+            response = await _stream(request, run, shape, queue)
         else:
-            response = await _collect(engine, generation, shape, queue, request_id, progress)
+            response = await _collect(run, shape, queue)
         finished = True
+        if metrics is not None:
+            for tokens in run.group_tokens():
+                metrics.observe_group(tokens)
         return response
     finally:
-        if not finished:  # the client went away (or the handler failed): free the request's blocks
-            engine.abort(request_id)
+        if not finished:  # the client went away (or the handler failed): free the requests' blocks
+            run.abort()
 
 
 def _head(shape: Shape, generation: Generation, request_id: str, created: int, chunk: bool) -> dict[str, Any]:
@@ -152,64 +273,59 @@ def _head(shape: Shape, generation: Generation, request_id: str, created: int, c
     return {"id": identity, "object": kind, "created": created, "model": generation.model}
 
 
-async def _next(
-    engine: EngineLoop, queue: asyncio.Queue[RequestOutput], request_id: str, progress: _Progress
-) -> tuple[str, list[int], list[TokenLogprob] | None, bool]:
-    output = await queue.get()
-    text, ids, logprobs = progress.take(output)
-    if progress.stops.stopped and not output.finished:
-        engine.abort(request_id, FinishReason.STOP)  # its text reached a stop string: no more steps
-    return text, ids, logprobs, progress.finish is not None
+def _visible(run: _Run, logprobs: Sequence[TokenLogprob] | None) -> Sequence[TokenLogprob] | None:
+    """Log probabilities the client asked for (``best_of`` computes them for itself otherwise)."""
+    return logprobs if run.generation.client_logprobs else None
 
 
-async def _collect(
-    engine: EngineLoop,
-    generation: Generation,
-    shape: Shape,
-    queue: asyncio.Queue[RequestOutput],
-    request_id: str,
-    progress: _Progress,
-) -> web.Response:
+async def _collect(run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput]) -> web.Response:
     created = now()
-    text, done = "", False
-    while not done:
-        piece, _, _, done = await _next(engine, queue, request_id, progress)
-        text += piece
-    if progress.error is not None:
-        raise ApiError(500, f"the engine failed on this request: {progress.error}")
-    body = _head(shape, generation, request_id, created, chunk=False)
-    body.update(shape.whole(text, progress.ids, progress.logprobs, progress.finish))
-    body["usage"] = progress.usage()
+    while run.open and run.failed is None:
+        await run.next(queue)
+    if run.failed is not None:
+        raise ApiError(500, f"the engine failed on this request: {run.failed}")
+    body = _head(shape, run.generation, next(iter(run.groups)), created, chunk=False)
+    body["choices"] = [shape.whole(c, _visible(run, c.logprobs)) for c in run.returned()]
+    body["usage"] = run.usage()
     return web.json_response(body)
 
 
 async def _stream(
-    request: web.Request,
-    engine: EngineLoop,
-    generation: Generation,
-    shape: Shape,
-    queue: asyncio.Queue[RequestOutput],
-    request_id: str,
-    progress: _Progress,
+    request: web.Request, run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput]
 ) -> web.StreamResponse:
     created = now()
+    generation = run.generation
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
-    head = _head(shape, generation, request_id, created, chunk=True)
-    usage_field = {"usage": None} if generation.include_usage else {}
-    first = shape.first()
-    if first is not None:
-        await _event(response, {**head, **first, **usage_field})
-    done = False
-    while not done:
-        text, ids, logprobs, done = await _next(engine, queue, request_id, progress)
-        if progress.error is not None:
-            message = f"the engine failed on this request: {progress.error}"
+    head = _head(shape, generation, next(iter(run.groups)), created, chunk=True)
+
+    def usage() -> dict[str, Any]:
+        if generation.continuous_usage:
+            return {"usage": run.usage()}
+        return {"usage": None} if generation.include_usage else {}
+
+    for choice in sorted(run.choices.values(), key=lambda c: c.index):
+        opening = shape.opening(choice)
+        if opening is not None:
+            await _event(response, {**head, "choices": [opening], **usage()})
+    while run.open:
+        choice, text, output = await run.next(queue)
+        if run.failed is not None:
+            message = f"the engine failed on this request: {run.failed}"
             await _event(response, error_body(ApiError(500, message)))
             break
-        await _event(response, {**head, **shape.chunk(text, ids, logprobs, progress.finish), **usage_field})
-    if generation.include_usage and progress.error is None:
-        await _event(response, {**head, "choices": [], "usage": progress.usage()})
+        choice.pending_ids += output.token_ids
+        if output.logprobs is not None:
+            choice.pending_logprobs = (choice.pending_logprobs or []) + output.logprobs
+        if not text and choice.finish is None and not (output.prompt_logprobs and not choice.sent_first):
+            continue  # no text yet: these tokens go with the next chunk that has some
+        ids, logprobs = choice.pending_ids, choice.pending_logprobs
+        choice.pending_ids, choice.pending_logprobs = [], None
+        piece = shape.piece(choice, text, ids, _visible(run, logprobs))
+        choice.sent_first = True
+        await _event(response, {**head, "choices": [piece], **usage()})
+    if generation.include_usage and run.failed is None:
+        await _event(response, {**head, "choices": [], "usage": run.usage()})
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

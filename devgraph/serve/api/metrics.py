@@ -7,6 +7,15 @@ the same, so a dashboard built for vLLM reads them unchanged; what only devgraph
 Latency histograms are observed as outputs leave the engine (times from the request's arrival at the
 HTTP handler, as vLLM times them from its front end); everything else is read from the engine's and the
 runners' counters when ``/metrics`` is scraped, so there is one source of truth.
+
+The names vLLM's example Grafana dashboard reads are all here, with vLLM's meaning:
+``vllm:gpu_cache_usage_perc`` (the fraction of KV blocks in use, 0-1: the older name of
+``vllm:kv_cache_usage_perc``, both exported), ``vllm:time_per_output_token_seconds`` (the time between two
+tokens of a request: the older name of ``vllm:inter_token_latency_seconds``, both exported),
+``vllm:request_prefill_time_seconds`` (first admission to the running batch to the first token),
+``vllm:request_decode_time_seconds`` (first token to the last), ``vllm:request_max_num_generation_tokens``
+(per request, the most tokens any of its ``n`` copies generated: "max generation tokens in the sequence
+group").
 """
 
 from __future__ import annotations
@@ -79,6 +88,19 @@ class ServeMetrics:
 
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens", _ITL_BUCKETS)
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between two tokens (vLLM's older name of inter_token_latency, which dashboards read)",
+            _ITL_BUCKETS,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "First admission to the running batch to the first token",
+            _REQUEST_BUCKETS,
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds", "First token to the last token", _REQUEST_BUCKETS
+        )
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue = histogram(
             "vllm:request_queue_time_seconds",
@@ -92,6 +114,11 @@ class ServeMetrics:
         self.generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per finished request", tokens
         )
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Per request, the most tokens any of its n copies generated",
+            tokens,
+        )
         self.registry.register(_StatsCollector(stats, labels))
         # The runners' own series (replays per key, eager steps by reason, rows) come from
         # devgraph.runner.metrics.
@@ -104,12 +131,21 @@ class ServeMetrics:
             self.ttft.observe(since_arrival)
         if output.itl is not None:
             self.itl.observe(output.itl)
+            self.tpot.observe(output.itl)
         if output.finished:
             self.e2e.observe(since_arrival)
             self.prompt_tokens.observe(output.num_prompt_tokens)
             self.generation_tokens.observe(output.num_output_tokens)
             if output.queue_time is not None:
                 self.queue.observe(output.queue_time)
+            if output.prefill_time is not None:
+                self.prefill.observe(output.prefill_time)
+            if output.decode_time is not None:
+                self.decode.observe(output.decode_time)
+
+    def observe_group(self, generated: int) -> None:
+        """Record a finished request: the most tokens any of its copies generated."""
+        self.max_generation_tokens.observe(generated)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type (reads the engine's stats: call off the event loop)."""
@@ -148,6 +184,12 @@ class _StatsCollector:
         yield self._family(
             "gauge", "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", usage
         )
+        yield self._family(
+            "gauge",
+            "vllm:gpu_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0-1; vLLM's older name, which dashboards read)",
+            usage,
+        )
         yield self._family("counter", "vllm:prompt_tokens", "Prompt tokens processed", stats["prompt_tokens"])
         yield self._family(
             "counter", "vllm:generation_tokens", "Tokens generated", stats["generation_tokens"]
@@ -169,6 +211,11 @@ class _StatsCollector:
             ),
             ("devgraph_serve_kv_blocks_free", "Free KV-cache blocks", stats["kv_blocks_free"]),
             ("devgraph_serve_kv_blocks_total", "KV-cache blocks requests can own", total),
+        )
+        yield core.CounterMetricFamily(
+            "devgraph_engine_prefill_tokens",
+            "Tokens run through prefill chunks (n copies of a prompt count it once; recomputation counts)",
+            value=stats.get("prefill_tokens", 0),
         )
         capture = stats.get("graph_capture")
         if capture is not None:  # --capture-in-background

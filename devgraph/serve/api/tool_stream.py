@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from devgraph.serve.api.generate import Choice
 from devgraph.serve.api.tools import ToolCalling, ToolFormat, call_id
 from devgraph.serve.engine.request import TokenLogprob
 
@@ -35,54 +36,19 @@ def _calls(
     ]
 
 
-class ToolCallShape:
-    """A chat shape whose answers may hold tool calls (see the module docstring)."""
+class _Calls:
+    """One choice's stream, split as it grows (a choice of ``n`` has its own)."""
 
-    object = "chat.completion"
-
-    def __init__(self, inner: Any, calling: ToolCalling) -> None:
-        self._inner = inner
-        self._format = calling.format
+    def __init__(self, format: ToolFormat) -> None:
+        self._format = format
         self._text = ""  # everything generated so far
         self._read = 0  # self._text[:_read] has been released as content or calls
-        self._sent = 0  # calls sent so far
+        self.sent = 0  # calls sent so far
         self._mode: str | None = None  # Llama 3 JSON: "calls" or "content", set by the first character
 
-    def first(self) -> dict[str, Any] | None:
-        return self._inner.first()  # type: ignore[no-any-return]
-
-    def whole(
-        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
-    ) -> dict[str, Any]:
-        content, calls = self._format.split(text)
-        body: dict[str, Any] = self._inner.whole(content, ids, logprobs, finish)
-        if calls:
-            choice = body["choices"][0]
-            choice["message"]["content"] = content or None
-            choice["message"]["tool_calls"] = _calls(calls)
-            if finish == "stop":
-                choice["finish_reason"] = "tool_calls"
-        return body
-
-    def chunk(
-        self, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None, finish: str | None
-    ) -> dict[str, Any]:
-        self._text += text
-        content, calls = self._advance(final=finish is not None)
-        body: dict[str, Any] = self._inner.chunk(content, ids, logprobs, finish)
-        choice = body["choices"][0]
-        if calls:
-            delta = choice["delta"]
-            if not content:
-                delta.pop("content", None)
-            delta["tool_calls"] = _calls(calls, self._sent, delta=True)
-            self._sent += len(calls)
-        if finish == "stop" and self._sent:
-            choice["finish_reason"] = "tool_calls"
-        return body
-
-    def _advance(self, final: bool) -> tuple[str, list[tuple[str, str]]]:
+    def feed(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
         """Content that can be released now, and calls that are complete."""
+        self._text += text
         if self._format is ToolFormat.LLAMA3_JSON:
             return self._advance_json(final)
         content: list[str] = []
@@ -95,7 +61,7 @@ class ToolCallShape:
                 if start >= 0
                 else rest[: len(rest) - (0 if final else _partial_tail(rest, _OPEN))]
             )
-            if (self._sent or calls) and not segment.strip():  # after a call, blank runs only separate calls
+            if (self.sent or calls) and not segment.strip():  # after a call, blank runs only separate calls
                 if start < 0 and not final:
                     break  # held: text may still follow them
             else:
@@ -129,6 +95,47 @@ class ToolCallShape:
         content, calls = self._format.split(self._text)
         self._read = len(self._text)
         return content, calls
+
+
+class ToolCallShape:
+    """A chat shape whose answers may hold tool calls (see the module docstring); each choice of an
+    ``n > 1`` request is split on its own."""
+
+    object = "chat.completion"
+
+    def __init__(self, inner: Any, calling: ToolCalling) -> None:
+        self._inner = inner
+        self._format = calling.format
+        self._streams: dict[int, _Calls] = {}  # choice index -> its stream so far
+
+    def opening(self, choice: Choice) -> dict[str, Any] | None:
+        return self._inner.opening(choice)  # type: ignore[no-any-return]
+
+    def whole(self, choice: Choice, logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any]:
+        content, calls = self._format.split(choice.text)
+        body: dict[str, Any] = self._inner.whole(choice, logprobs)
+        if calls:
+            body["message"]["content"] = content or None
+            body["message"]["tool_calls"] = _calls(calls)
+            if choice.finish == "stop":
+                body["finish_reason"] = "tool_calls"
+        return body
+
+    def piece(
+        self, choice: Choice, text: str, ids: list[int], logprobs: Sequence[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        stream = self._streams.setdefault(choice.index, _Calls(self._format))
+        content, calls = stream.feed(text, final=choice.finish is not None)
+        body: dict[str, Any] = self._inner.piece(choice, content, ids, logprobs)
+        delta = body["delta"]
+        if not content:
+            delta.pop("content", None)
+        if calls:
+            delta["tool_calls"] = _calls(calls, stream.sent, delta=True)
+            stream.sent += len(calls)
+        if choice.finish == "stop" and stream.sent:
+            body["finish_reason"] = "tool_calls"
+        return body
 
 
 def _partial_tail(text: str, tag: str) -> int:

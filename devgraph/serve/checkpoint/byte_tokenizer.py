@@ -73,6 +73,9 @@ class ByteTokenizer:
             bytes((token,)).decode("utf-8", errors="replace") if 0 <= token < BYTE_TOKENS else f"<|{token}|>"
         )
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes((token,)) if 0 <= token < BYTE_TOKENS else self.token_text(token).encode("utf-8")
+
     def chat_prompt(
         self,
         messages: Sequence[Mapping[str, Any]],

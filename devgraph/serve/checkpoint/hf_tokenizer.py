@@ -30,6 +30,23 @@ PROMPT_TAIL = 6
 _REPLACEMENT = "\ufffd"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's scheme): printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 on, in byte order. Returned inverted:
+    character -> byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(0x100 + shifted)
+            shifted += 1
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
 class WindowDecoder:
     """Incremental detokenization over a sliding window of ids (see the module docstring)."""
 
@@ -110,6 +127,24 @@ class HFTokenizer:
 
     def token_text(self, token: int) -> str:
         return self._tokenizer.decode([token])  # type: ignore[no-any-return]
+
+    def token_bytes(self, token: int) -> bytes:
+        """The decoded text's UTF-8, unless it holds U+FFFD: then the token's own bytes, read from its
+        vocabulary entry (SentencePiece's ``<0xE2>`` byte tokens, byte-level BPE's printable alphabet)."""
+        text = self.token_text(token)
+        if _REPLACEMENT not in text:
+            return text.encode("utf-8")
+        piece = self._tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            decoded = [_BYTE_LEVEL.get(char) for char in piece]
+            if piece and None not in decoded:
+                return bytes(decoded)  # type: ignore[arg-type]
+        return text.encode("utf-8")
 
     def chat_prompt(
         self,

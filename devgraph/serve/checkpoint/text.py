@@ -52,6 +52,10 @@ class Tokenizer(Protocol):
         """One token's text, as logprobs name it."""
         ...
 
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes: for a token that holds part of a character, that part (not U+FFFD's)."""
+        ...
+
     def chat_prompt(
         self,
         messages: Sequence[Mapping[str, Any]],

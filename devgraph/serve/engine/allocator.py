@@ -1,7 +1,10 @@
 """KV-cache bookkeeping on the host: a free list of blocks and the block-table rows of running requests.
 
 Block 0 is the scratch block: padding tokens write their keys and values there, so no request ever owns
-it. Blocks are not reference-counted (no prefix sharing): a block belongs to one request until freed.
+it. Blocks are reference-counted: the copies of an ``n > 1`` request share their prompt's blocks
+(:meth:`BlockAllocator.share`), and a block goes back to the free list when its last holder frees it. A
+shared block is read-only: a copy that must write into one takes a private copy first (copy-on-write, see
+the scheduler).
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """A FIFO free list of the blocks ``1 .. num_blocks - 1``.
+    """A FIFO free list of the blocks ``1 .. num_blocks - 1``, with a holder count per block in use.
 
-    ``allocate(n)`` takes ``n`` blocks or none (never a partial grant); ``free(blocks)`` returns them.
-    Freeing a block twice, or one that was never handed out, raises: a leak or double free in the
-    scheduler shows up at once instead of as corrupted attention.
+    ``allocate(n)`` takes ``n`` blocks or none (never a partial grant); ``share(blocks)`` adds a holder to
+    blocks in use; ``free(blocks)`` drops one holder of each and returns a block to the free list with its
+    last holder. Freeing a block more often than it was handed out and shared raises: a leak or double
+    free in the scheduler shows up at once instead of as corrupted attention.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -33,7 +37,7 @@ class BlockAllocator:
             raise ConfigError(f"a KV cache needs at least 2 blocks (block 0 is scratch), got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
-        self._used: set[int] = set()
+        self._holders: dict[int, int] = {}
 
     @property
     def capacity(self) -> int:
@@ -50,14 +54,29 @@ class BlockAllocator:
         if count > len(self._free):
             raise OutOfBlocks(f"asked for {count} KV blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(count)]
-        self._used.update(blocks)
+        self._holders.update(dict.fromkeys(blocks, 1))
         return blocks
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """One more holder for each of ``blocks`` (all in use)."""
+        for block in blocks:
+            if block not in self._holders:
+                raise RuntimeError(f"KV block {block} shared but not in use (scheduler bug)")
+            self._holders[block] += 1
+
+    def holders(self, block: int) -> int:
+        """How many requests hold ``block`` (0: free)."""
+        return self._holders.get(block, 0)
 
     def free(self, blocks: Iterable[int]) -> None:
         for block in blocks:
-            if block not in self._used:
+            count = self._holders.get(block)
+            if count is None:
                 raise RuntimeError(f"KV block {block} freed twice or never allocated (scheduler bug)")
-            self._used.remove(block)
+            if count > 1:
+                self._holders[block] = count - 1
+                continue
+            del self._holders[block]
             self._free.append(block)
 
 

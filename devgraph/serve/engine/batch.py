@@ -12,7 +12,7 @@ and point at the all-zero table row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ __all__ = ["StepBatch", "decode_batch", "prefill_batch"]
 @dataclass
 class StepBatch:
     """A step's runner inputs; row ``r`` of the logits belongs to ``requests[r]`` and is sampled when
-    ``samples[r]``. ``engine_padding``: tokens added here (not by the runner)."""
+    ``samples[r]``; its tokens are positions ``starts[r] ..`` (``lengths[r]`` of them), packed in request
+    order. ``engine_padding``: tokens added here (not by the runner)."""
 
     inputs: dict[str, Any]  # tensors; Any so they unpack into GraphRunner.run(**inputs)
     context: StepContext
@@ -35,6 +36,7 @@ class StepBatch:
     samples: list[bool]
     lengths: list[int]
     engine_padding: int = 0
+    starts: list[int] = field(default_factory=list)
 
 
 def _row(request: Request) -> int:
@@ -83,8 +85,9 @@ def decode_batch(
     tensors = {name: torch.tensor(v, dtype=torch.int64).to(device) for name, v in inputs.items()}
     tensors["block_tables"] = tables.gather(rows + [tables.padding_row] * pad).to(device)
     tensors["seq_lens"] = torch.tensor(lens + [0] * pad, dtype=torch.int32).to(device)
+    count = len(requests)
     return StepBatch(
-        tensors, StepContext(seq_lens=lens), list(requests), [True] * len(requests), [1] * len(requests), pad
+        tensors, StepContext(seq_lens=lens), list(requests), [True] * count, [1] * count, pad, positions
     )
 
 
@@ -128,4 +131,5 @@ def prefill_batch(
         [e[3] for e in entries],
         [e[2] for e in entries],
         token_pad,
+        [e[1] for e in entries],
     )

@@ -1,9 +1,14 @@
 """The reference serving engine: continuous batching over the reference model's paged KV cache.
 
-One :meth:`Engine.step` schedules (see :mod:`~devgraph.serve.engine.scheduler`), runs the step's
-forward through a ``GraphRunner`` (decode-only steps through the decode runner, prefill and mixed steps
-through the prefill runner), samples, and returns each request's new token. Single-threaded: call it
-from one thread (:class:`~devgraph.serve.engine.loop.EngineLoop` runs it in a thread of its own).
+One :meth:`Engine.step` runs in stages, each one method: **schedule** (see
+:mod:`~devgraph.serve.engine.scheduler`; copy-on-write block copies run on the device right after),
+**stage** the step's inputs (:mod:`~devgraph.serve.engine.batch`), **forward** through a ``GraphRunner``
+(decode-only steps through the decode runner, prefill and mixed steps through the prefill runner, whose
+graphs return the last tokens' logits and every token's hidden state), **sample** (and the log
+probabilities asked for: the prompt's from the hidden states of just the rows that need them), and
+**bookkeeping** (computed positions, forks of ``n > 1`` requests, finishes, each request's output).
+Single-threaded: call it from one thread (:class:`~devgraph.serve.engine.loop.EngineLoop` runs it in a
+thread of its own).
 """
 
 from __future__ import annotations
@@ -45,7 +50,10 @@ from devgraph.serve.engine.sleep import KvCacheShape
 from devgraph.serve.engine.stats import engine_stats
 from devgraph.serve.engine.warmup import check_warm_up_fits, warm_up_lengths
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "StepResult"]
+
+#: What a step's forward returns: the sampled rows' logits, and (prefill) every token's hidden state.
+StepResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +111,15 @@ class Engine:
             model, config=graphs, progress=progress, **decode_sizes
         )
         self.prefill_runner: GraphRunner = prefill_runner(
-            model, config=graphs, progress=progress, axes={"requests": running}, **prefill_sizes
+            model,
+            config=graphs,
+            progress=progress,
+            axes={"requests": running},
+            hidden_states=True,  # the prompt's log probabilities are computed from them
+            **prefill_sizes,
         )
         self._requests: dict[str, Request] = {}
+        self._groups: dict[str, list[Request]] = {}  # submitted id -> the request and its copies
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.step_counts: Counter[str] = Counter()
@@ -113,8 +127,10 @@ class Engine:
         self.finished_count: Counter[str] = Counter()
         #: The background capture in progress (capture_in_background()); None: graphs captured up front.
         self.background: BackgroundCapture | None = None
-        self.prompt_tokens = 0  # prompts of requests that got their first token
+        self.prompt_tokens = 0  # prompts of requests that got their first token (once per n copies)
         self.generation_tokens = 0  # tokens handed out (stop tokens are not)
+        #: Prompt (and recomputed) tokens run through prefill chunks: n copies of a prompt count it once.
+        self.prefill_tokens = 0
         #: Sleep mode (sleep()): the level asleep at (None: awake) and the KV cache to allocate on wake-up.
         self.sleep_level: int | None = None
         self._kv_shape: KvCacheShape | None = None
@@ -165,7 +181,7 @@ class Engine:
         self.step_counts.clear()
         self.finished_count.clear()
         self.engine_padding = 0
-        self.prompt_tokens = self.generation_tokens = 0
+        self.prompt_tokens = self.generation_tokens = self.prefill_tokens = 0
         self.scheduler.preemptions = 0
         self.decode_runner.reset_stats()
         self.prefill_runner.reset_stats()
@@ -196,11 +212,25 @@ class Engine:
                 f"the prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens; "
                 f"the model's context is {config.max_seq_len}: shorten the prompt or lower max_tokens"
             )
-        needed = self.scheduler.blocks_for(total)
+        # n copies share the prompt's whole blocks; each needs the rest (its last prompt block copied).
+        shared = len(tokens) // config.block_size if params.n > 1 else 0
+        needed = shared + params.n * (self.scheduler.blocks_for(total) - shared)
         if needed > self.allocator.capacity:
             raise InputError(
                 f"the request needs {needed} KV blocks but the cache has {self.allocator.capacity}; "
-                "lower max_tokens, or give the server more KV blocks (--num-blocks)"
+                "lower max_tokens (or n), or give the server more KV blocks (--num-blocks)"
+            )
+        if params.n > self.config.max_running_requests:
+            raise InputError(
+                f"n={params.n} copies must run together, but at most {self.config.max_running_requests} "
+                "requests run at once (--max-running-requests): lower n, or send several requests"
+            )
+        if getattr(self.model, "group", None) is not None and (
+            params.n > 1 or params.prompt_logprobs is not None
+        ):
+            raise InputError(
+                "n > 1 and the prompt's log probabilities (echo with logprobs, prompt_logprobs) are not "
+                "served under tensor parallelism yet (--tp): serve on one device for them"
             )
         return tokens
 
@@ -214,10 +244,19 @@ class Engine:
             )
         tokens = self.check_request(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._groups:
             raise InputError(f"request id {shorten(request_id)} is already in the engine")
-        request = Request(request_id, tokens, params, next(self._arrivals))
-        self._requests[request_id] = request
+        arrival = next(self._arrivals)
+        request = Request(request_id, tokens, params, arrival)
+        # Copies wait for the first one's prompt, then share its blocks (Scheduler.fork).
+        request.copies = [
+            Request(f"{request_id}.{i}", tokens, params, arrival, group=request_id, index=i)
+            for i in range(1, params.n)
+        ]
+        group = [request, *request.copies]
+        self._groups[request_id] = group
+        for member in group:
+            self._requests[member.request_id] = member
         self.scheduler.add(request)
         return request
 
@@ -229,6 +268,18 @@ class Engine:
         if request is None:
             return None
         return self._finish(request, reason, [])
+
+    def abort_group(
+        self, group: str, reason: FinishReason = FinishReason.ABORT, index: int | None = None
+    ) -> list[RequestOutput]:
+        """:meth:`abort` for every copy still in the engine of the request submitted as ``group`` (or for
+        copy ``index`` alone)."""
+        members = [
+            r
+            for r in self._groups.get(group, ())
+            if r.status is not Status.FINISHED and (index is None or r.index == index)
+        ]
+        return [self._finish(r, reason, []) for r in members]
 
     @property
     def has_work(self) -> bool:
@@ -249,6 +300,8 @@ class Engine:
         outputs: list[RequestOutput] = []
         if schedule.empty:
             return outputs
+        self._copy_blocks(schedule.copies)
+        self.prefill_tokens += sum(c.length for c in schedule.chunks)
         decode_entries = [(r, r.num_computed, 1, True) for r in schedule.decodes]
         chunk_entries = [(c.request, c.start, c.length, c.samples) for c in schedule.chunks]
         if self.config.mixed and chunk_entries:
@@ -269,85 +322,168 @@ class Engine:
                     exc_info=logger.isEnabledFor(logging.DEBUG),
                 )
                 for request, *_ in entries:
-                    if request.status is not Status.FINISHED:
-                        outputs.append(self._finish(request, FinishReason.ERROR, [], error=repr(exc)))
+                    for member in (request, *request.copies):
+                        if member.status is not Status.FINISHED:
+                            outputs.append(self._finish(member, FinishReason.ERROR, [], error=repr(exc)))
         return outputs
 
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: the scheduler gave requests private copies of shared KV blocks; fill them."""
+        if not copies:
+            return
+        device = self.model.device
+        sources = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
+        targets = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
+        with torch.no_grad():
+            for cache in (*self.model.k_cache, *self.model.v_cache):
+                cache.index_copy_(0, targets, cache.index_select(0, sources))
+
     def _run(self, kind: str, entries: list[tuple[Request, int, int, bool]]) -> list[RequestOutput]:
+        batch = self._stage(kind, entries)
+        result = self.forward(kind, batch)
+        self.step_counts[kind] += 1
+        self.engine_padding += batch.engine_padding
+        logits, hidden = result if isinstance(result, tuple) else (result, None)
+        return self._advance(batch, logits, hidden)
+
+    def _stage(self, kind: str, entries: list[tuple[Request, int, int, bool]]) -> StepBatch:
+        """The step's runner inputs on the device (padded to one shape per phase in deterministic mode)."""
         pinned = self.config.deterministic
         common = {"padding_slot": self.model.padding_slot}
         block_size, device = self.model_config.block_size, self.batch_device
-        batch: StepBatch
         if kind == "decode":
             pad = self.config.max_running_requests if pinned else None
-            batch = decode_batch(
+            return decode_batch(
                 [e[0] for e in entries], self.tables, block_size, device, pad_to=pad, **common
             )
-        else:
-            budget, running = self.config.token_budget, self.config.max_running_requests
-            batch = prefill_batch(
-                entries,
-                self.tables,
-                block_size,
-                device,
-                pad_tokens=budget if pinned else None,
-                pad_requests=running if pinned else None,
-                **common,
-            )
-        logits = self.forward(kind, batch)
-        self.step_counts[kind] += 1
-        self.engine_padding += batch.engine_padding
-        return self._advance(batch, logits)
+        budget, running = self.config.token_budget, self.config.max_running_requests
+        return prefill_batch(
+            entries,
+            self.tables,
+            block_size,
+            device,
+            pad_tokens=budget if pinned else None,
+            pad_requests=running if pinned else None,
+            **common,
+        )
 
-    def forward(self, kind: str, batch: StepBatch) -> torch.Tensor:
-        """The step's logits: ``decode`` through the decode runner, ``prefill``/``mixed`` through the
-        prefill runner. A tensor-parallel engine sends the batch to the other ranks first."""
+    def forward(self, kind: str, batch: StepBatch) -> StepResult:
+        """The step's logits: ``decode`` through the decode runner; ``prefill``/``mixed`` through the
+        prefill runner, with every token's hidden state beside them. A tensor-parallel engine sends the
+        batch to the other ranks first."""
         runner = self.decode_runner if kind == "decode" else self.prefill_runner
-        return runner.run(context=batch.context, **batch.inputs)
+        return runner.run(context=batch.context, **batch.inputs)  # type: ignore[no-any-return]
 
-    def _advance(self, batch: StepBatch, logits: torch.Tensor) -> list[RequestOutput]:
-        rows = [i for i, s in enumerate(batch.samples) if s]
-        sampled_requests = [batch.requests[i] for i in rows]
-        tokens: list[int] = []
-        logprobs: list[TokenLogprob | None] = []
-        if rows:
-            if len(rows) != logits.shape[0]:
-                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            tokens, logprobs = self.sampler.sample_step(logits, sampled_requests)
+    def _advance(
+        self, batch: StepBatch, logits: torch.Tensor, hidden: torch.Tensor | None
+    ) -> list[RequestOutput]:
+        """Sample, then the bookkeeping: positions computed, the prompt's log probabilities, forks of
+        ``n > 1`` requests whose prompt is done, and each request's output."""
+        if hidden is not None:
+            self._score_prompts(batch, hidden)
         for request, length in zip(batch.requests, batch.lengths, strict=True):
             request.num_computed += length
         now = time.monotonic()
-        return [
-            self._accept(r, t, now, lp) for r, t, lp in zip(sampled_requests, tokens, logprobs, strict=True)
+        outputs: list[RequestOutput] = []
+        rows: list[int] = []
+        sampled: list[Request] = []
+        for row, (request, samples) in enumerate(zip(batch.requests, batch.samples, strict=True)):
+            if not samples:
+                continue
+            if request.params.max_tokens == 0:  # the prompt alone (its log probabilities): nothing to sample
+                for member in (request, *request.copies):
+                    outputs.append(self._finish(member, FinishReason.LENGTH, [], now=now))
+                continue
+            for member in (request, *self.scheduler.fork(request)) if request.copies else (request,):
+                rows.append(row)
+                sampled.append(member)
+        if not sampled:
+            return outputs
+        if rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        tokens, logprobs = self.sampler.sample_step(logits, sampled)
+        return outputs + [
+            self._accept(r, t, now, lp) for r, t, lp in zip(sampled, tokens, logprobs, strict=True)
         ]
+
+    def _score_prompts(self, batch: StepBatch, hidden: torch.Tensor) -> None:
+        """The log probabilities of the prompt tokens this step's chunks predict (row ``p`` of a chunk
+        predicts token ``p + 1``), for the requests that asked and only for those rows: the LM head runs on
+        them alone, after the graph. Each prompt token is scored once (a recomputed prompt is not)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Request] = []
+        offset = 0
+        for request, start, length in zip(batch.requests, batch.starts, batch.lengths, strict=True):
+            scored = len(request.prompt_logprobs) if request.wants_prompt_logprobs else None  # type: ignore[arg-type]
+            if scored is not None:
+                for position in range(max(start, scored - 1), min(start + length, len(request.prompt) - 1)):
+                    rows.append(offset + position - start)
+                    targets.append(request.prompt[position + 1])
+                    owners.append(request)
+            offset += length
+        if not rows:
+            return
+        device = hidden.device
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=device)))
+        counts = [r.params.prompt_logprobs or 0 for r in owners]
+        entries = self.sampler.token_logprobs(logits, torch.tensor(targets, device=device), counts)
+        for request, entry in zip(owners, entries, strict=True):
+            request.prompt_logprobs.append(entry)  # type: ignore[union-attr]
 
     def _accept(
         self, request: Request, token: int, now: float, logprob: TokenLogprob | None
     ) -> RequestOutput:
         params = request.params
         ttft = itl = None
+        prompt_logprobs = None
         if request.first_token_time is None:
             request.first_token_time = now
             ttft = now - request.arrival_time
-            self.prompt_tokens += len(request.prompt)
+            if request.index == 0:
+                self.prompt_tokens += len(request.prompt)
+            prompt_logprobs = self._group_prompt_logprobs(request)
         elif request.last_token_time is not None:
             itl = now - request.last_token_time
         request.last_token_time = now
         if token in request.stop_ids:
-            return self._finish(request, FinishReason.STOP, [], ttft=ttft)
+            return self._finish(
+                request, FinishReason.STOP, [], ttft=ttft, now=now, prompt_logprobs=prompt_logprobs
+            )
         complete = False  # constrained decoding: the grammar ends the request once its output is whole
         if request.grammar is not None:
             try:
                 complete = request.grammar.advance(token)
             except GrammarFailed as exc:  # this request's grammar alone: the step's others go on
-                return self._finish(request, FinishReason.ERROR, [], error=str(exc), ttft=ttft)
+                return self._finish(
+                    request, FinishReason.ERROR, [], error=str(exc), ttft=ttft, now=now,
+                    prompt_logprobs=prompt_logprobs,
+                )  # fmt: skip
         request.output.append(token)
         self.generation_tokens += 1
         logprobs = None if logprob is None else [logprob]
         if complete:
-            return self._finish(request, FinishReason.STOP, [token], ttft=ttft, itl=itl, logprobs=logprobs)
+            return self._finish(
+                request,
+                FinishReason.STOP,
+                [token],
+                ttft=ttft,
+                itl=itl,
+                logprobs=logprobs,
+                now=now,
+                prompt_logprobs=prompt_logprobs,
+            )
         if len(request.output) >= params.max_tokens or request.num_tokens >= self.model_config.max_seq_len:
-            return self._finish(request, FinishReason.LENGTH, [token], ttft=ttft, itl=itl, logprobs=logprobs)
+            return self._finish(
+                request,
+                FinishReason.LENGTH,
+                [token],
+                ttft=ttft,
+                itl=itl,
+                logprobs=logprobs,
+                now=now,
+                prompt_logprobs=prompt_logprobs,
+            )
         return RequestOutput(
             request.request_id,
             [token],
@@ -356,7 +492,17 @@ class Engine:
             ttft=ttft,
             itl=itl,
             logprobs=logprobs,
+            group=request.group,
+            index=request.index,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _group_prompt_logprobs(self, request: Request) -> list[TokenLogprob | None] | None:
+        """The prompt's log probabilities for ``request``'s first output (its copies share the first's)."""
+        if request.params.prompt_logprobs is None:
+            return None
+        first = self._groups.get(request.group, [request])[0]
+        return list(first.prompt_logprobs or [None])
 
     def _finish(
         self,
@@ -368,11 +514,20 @@ class Engine:
         ttft: float | None = None,
         itl: float | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        now: float | None = None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> RequestOutput:
         self.scheduler.remove(request)
         self._requests.pop(request.request_id, None)
+        group = self._groups.get(request.group)
+        if group is not None and all(m.status is Status.FINISHED for m in group):
+            del self._groups[request.group]
         request.finish_reason = reason
         self.finished_count[reason.value] += 1
+        now = time.monotonic() if now is None else now
+        if prompt_logprobs is None and request.first_token_time is None and reason is FinishReason.LENGTH:
+            prompt_logprobs = self._group_prompt_logprobs(request)  # max_tokens 0: the prompt is the answer
+        scheduled, first = request.scheduled_time, request.first_token_time
         return RequestOutput(
             request.request_id,
             tokens,
@@ -384,9 +539,12 @@ class Engine:
             ttft=ttft,
             itl=itl,
             logprobs=logprobs,
-            queue_time=None
-            if request.scheduled_time is None
-            else request.scheduled_time - request.arrival_time,
+            queue_time=None if scheduled is None else scheduled - request.arrival_time,
+            group=request.group,
+            index=request.index,
+            prompt_logprobs=prompt_logprobs,
+            prefill_time=None if scheduled is None else (first if first is not None else now) - scheduled,
+            decode_time=None if first is None else (request.last_token_time or now) - first,
         )
 
     # -- conveniences --------------------------------------------------------------------------------

@@ -46,8 +46,9 @@ class EngineLoop:
         self.engine = engine
         self._cond = threading.Condition()
         self._adds: list[tuple[str, list[int], SamplingParams, Sink]] = []
-        self._aborts: list[tuple[str, FinishReason]] = []
-        self._sinks: dict[str, Sink] = {}
+        self._aborts: list[tuple[str, FinishReason, int | None]] = []
+        self._sinks: dict[str, Sink] = {}  # submitted id -> its sink, until all its copies finished
+        self._open: dict[str, int] = {}  # submitted id -> copies not finished yet
         self._ids = itertools.count()
         self._closing = False
         self._stop = False
@@ -60,7 +61,8 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, sink: Sink) -> str:
-        """Queue a request; returns its id. Raises InputError (bad request) or EngineClosed."""
+        """Queue a request; returns its id. Raises InputError (bad request) or EngineClosed. The sink gets
+        the outputs of all its ``n`` copies (``RequestOutput.index`` tells them apart)."""
         tokens = self.engine.check_request(prompt, params)  # reads only immutable config
         with self._cond:
             if self._closing:
@@ -72,11 +74,13 @@ class EngineLoop:
             self._cond.notify()
         return request_id
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
-        """End a request at the next step: ``ABORT`` (its client went away) or ``STOP`` (its text reached
-        a stop string)."""
+    def abort(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT, index: int | None = None
+    ) -> None:
+        """End a request at the next step, every copy or copy ``index``: ``ABORT`` (its client went away)
+        or ``STOP`` (its text reached a stop string)."""
         with self._cond:
-            self._aborts.append((request_id, reason))
+            self._aborts.append((request_id, reason, index))
             self._cond.notify()
 
     def in_flight(self) -> int:
@@ -97,7 +101,7 @@ class EngineLoop:
             self._closing = True
             sinks = {request_id: sink for request_id, *_, sink in self._adds}
             sinks.update(self._sinks)
-            self._adds, self._sinks = [], {}
+            self._adds, self._sinks, self._open = [], {}, {}
         for request_id, sink in sinks.items():
             try:
                 sink(RequestOutput(request_id, [], True, FinishReason.ERROR, error=error))
@@ -167,7 +171,8 @@ class EngineLoop:
                 self._apply(adds, aborts)
                 if stop:
                     for request_id in list(self._sinks):
-                        self._deliver(self.engine.abort(request_id))
+                        for output in self.engine.abort_group(request_id):
+                            self._deliver(output)
                     return
                 self._step()
                 self._capture_one()
@@ -196,17 +201,20 @@ class EngineLoop:
     def _apply(
         self,
         adds: list[tuple[str, list[int], SamplingParams, Sink]],
-        aborts: list[tuple[str, FinishReason]],
+        aborts: list[tuple[str, FinishReason, int | None]],
     ) -> None:
         for request_id, tokens, params, sink in adds:
             self._sinks[request_id] = sink
+            self._open[request_id] = params.n
             try:
                 self.engine.add_request(tokens, params, request_id)
             except Exception as exc:  # checked at submit; a failure here is a bug, reported per request
                 logger.warning("adding request %s failed: %r", request_id, exc)
+                self._open[request_id] = 1  # one error output ends it
                 self._deliver(RequestOutput(request_id, [], True, FinishReason.ERROR, error=repr(exc)))
-        for request_id, reason in aborts:
-            self._deliver(self.engine.abort(request_id, reason))
+        for request_id, reason, index in aborts:
+            for output in self.engine.abort_group(request_id, reason, index):
+                self._deliver(output)
 
     def _step(self) -> None:
         if not self.engine.has_work:
@@ -217,23 +225,21 @@ class EngineLoop:
             logger.exception("engine step failed")
             outputs = []
             for request_id in list(self._sinks):
-                aborted = self.engine.abort(request_id)
-                if aborted is not None:
+                for aborted in self.engine.abort_group(request_id):
                     aborted.finish_reason, aborted.error = FinishReason.ERROR, repr(exc)
                     outputs.append(aborted)
         for output in outputs:
             self._deliver(output)
 
-    def _deliver(self, output: RequestOutput | None) -> None:
-        if output is None:
-            return
-        sink = (
-            self._sinks.pop(output.request_id, None)
-            if output.finished
-            else self._sinks.get(output.request_id)
-        )
+    def _deliver(self, output: RequestOutput) -> None:
+        group = output.group
+        sink = self._sinks.get(group)
         if sink is None:
             return
+        if output.finished:
+            self._open[group] -= 1
+            if self._open[group] <= 0:
+                del self._sinks[group], self._open[group]
         try:
             sink(output)
         except Exception:  # a closed event loop or a broken sink must not stop the engine

@@ -13,6 +13,7 @@ from devgraph.messages import shorten
 from devgraph.serve.engine.grammar import Grammar, GrammarState
 
 __all__ = [
+    "MAX_COPIES",
     "MAX_LOGPROBS",
     "MAX_STOP_TOKEN_IDS",
     "MIN_TEMPERATURE",
@@ -33,6 +34,8 @@ MIN_TOP_P = 1e-4
 MAX_STOP_TOKEN_IDS = 64
 #: The most alternatives a request may ask logprobs of (vLLM's default limit; OpenAI's chat allows 20).
 MAX_LOGPROBS = 20
+#: The most copies one request may sample from its prompt (``n``); each copy takes a running slot.
+MAX_COPIES = 64
 
 
 class FinishReason(str, enum.Enum):
@@ -77,10 +80,14 @@ class SamplingParams:
     logprobs: int | None = None
     #: Constrained decoding (structured output, tool calls): each request gets its own state of it.
     grammar: Grammar | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InputError(f"max_tokens must be an int >= 1, got {shorten(self.max_tokens)}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise InputError(f"max_tokens must be an int >= 0, got {shorten(self.max_tokens)}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_COPIES:
+            raise InputError(f"n must be an int from 1 to {MAX_COPIES}, got {shorten(self.n)}")
         if not _real(self.temperature) or not (
             self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 100
         ):
@@ -103,14 +110,12 @@ class SamplingParams:
             raise InputError(f"stop token ids must be ints, got {shorten(self.stop_token_ids)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InputError(f"top_k must be an int >= 0 (0: every token), got {shorten(self.top_k)}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InputError(
-                f"logprobs must be an int from 0 to {MAX_LOGPROBS}, got {shorten(self.logprobs)}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise InputError(f"{name} must be an int from 0 to {MAX_LOGPROBS}, got {shorten(value)}")
 
     @property
     def greedy(self) -> bool:
@@ -145,14 +150,29 @@ class Request:
     rng: random.Random | None = None
     stop_ids: frozenset[int] = frozenset()  # the params' stop token ids, checked once per sampled token
     grammar: GrammarState | None = None  # this request's place in params.grammar, if any
+    #: The id the request was submitted under; a copy of an ``n > 1`` request is ``group.index``.
+    group: str = ""
+    index: int = 0  # which copy (0 for the first, which computes the prompt)
+    #: Copies not yet forked: they take this request's KV blocks when its prompt is computed.
+    copies: list[Request] = field(default_factory=list)
+    #: The prompt's log probabilities computed so far (``None`` for the first token), when asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids)
-        if self.params.grammar is not None:
+        self.group = self.group or self.request_id
+        if self.params.grammar is not None:  # each request (each copy of an n > 1 one) its own state
             self.grammar = self.params.grammar.start()
         if not self.params.greedy:
             seed = self.params.seed if self.params.seed is not None else random.SystemRandom().getrandbits(64)
-            self.rng = random.Random(seed)
+            self.rng = random.Random(seed + self.index)
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether some prompt token's log probability is still to be computed."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     @property
     def num_tokens(self) -> int:
@@ -178,12 +198,13 @@ class Request:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log probability and the ``top`` most likely tokens' (id, log probability), most
-    likely first."""
+    """A token's log probability, its ``rank`` in the distribution (1: the most likely), and the ``top``
+    most likely tokens' (id, log probability), most likely first."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass
@@ -204,3 +225,14 @@ class RequestOutput:
     itl: float | None = None  # seconds since the request's previous token
     logprobs: list[TokenLogprob] | None = None
     queue_time: float | None = None
+    #: The id the request was submitted under (its copies' outputs name it too) and this copy's index.
+    group: str = ""
+    index: int = 0
+    #: On a request's first output, when asked for: one entry per prompt token (``None`` for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: On the last output: seconds from first admission to the first token, and from there to the finish.
+    prefill_time: float | None = None
+    decode_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.request_id

@@ -15,11 +15,13 @@ the other requests of its step.
 
 Log probabilities (for requests that ask) are the model's raw distribution, ``log_softmax`` of the
 float32 logits before temperature, top-k and top-p (what vLLM returns by default): the sampled token's
-and the most likely ones'.
+and the most likely ones'. :meth:`Sampler.token_logprobs` computes them for any rows and tokens (the
+engine scores a prompt's tokens with it).
 
 A request with a grammar (structured output, tool calls; see :mod:`~devgraph.serve.engine.grammar`) has
-its row masked first: tokens its grammar forbids get ``-inf``, for sampling and log probabilities alike
-(as vLLM does). The masks are computed on the host while the device still runs the step's forward: the
+its row masked first, in :func:`_constrain`, after the graph (so the graphs keep replaying): tokens its
+grammar forbids get ``-inf``, for sampling and log probabilities alike (as vLLM does), and are no
+alternatives. The masks are computed on the host while the device still runs the step's forward: the
 logits are not read before the masks are applied.
 """
 
@@ -53,9 +55,39 @@ class Sampler:
         host = [int(t) for t in tokens.tolist()]
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
         if wanted:
-            for i, entry in zip(wanted, _logprobs(logits, tokens, wanted, requests), strict=True):
+            rows = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
+            counts = [requests[i].params.logprobs or 0 for i in wanted]
+            entries = self.token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows), counts)
+            for i, entry in zip(wanted, entries, strict=True):
                 logprobs[i] = entry
         return host, logprobs
+
+    @staticmethod
+    def token_logprobs(
+        logits: torch.Tensor, tokens: torch.Tensor, counts: Sequence[int]
+    ) -> list[TokenLogprob]:
+        """Row ``r``'s log probability of ``tokens[r]`` and its ``counts[r]`` most likely tokens, under
+        ``log_softmax`` of the float32 logits (sampled tokens, and a prompt's tokens); one host copy."""
+        logp = logits.float().log_softmax(dim=-1)
+        chosen = logp.gather(1, tokens[:, None].long())[:, 0]
+        ranks = (logp > chosen[:, None]).sum(dim=-1) + 1
+        most = min(max(max(counts, default=0), 1), logp.shape[-1])
+        top_values, top_ids = logp.topk(most, dim=-1)
+        values, ids, picked, scores, places = (
+            t.tolist() for t in (top_values, top_ids, tokens, chosen, ranks)
+        )
+        return [
+            TokenLogprob(
+                int(picked[r]),
+                float(scores[r]),
+                # A grammar's forbidden tokens (-inf) are no alternatives: fewer where it allows fewer.
+                tuple(
+                    (t, v) for t, v in zip(ids[r][:count], values[r][:count], strict=True) if v != -math.inf
+                ),
+                int(places[r]),
+            )
+            for r, count in enumerate(counts)
+        ]
 
     def _tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
@@ -92,24 +124,6 @@ def _constrain(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tenso
     for masker, rows, states in groups.values():
         logits = masker.mask(logits, rows, states)
     return logits
-
-
-def _logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int], requests: Sequence[Request]
-) -> list[TokenLogprob]:
-    rows = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
-    logp = logits.index_select(0, rows).float().log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens.index_select(0, rows)[:, None])[:, 0].tolist()
-    most = max(requests[i].params.logprobs or 0 for i in wanted)
-    top_values, top_ids = logp.topk(max(most, 1), dim=-1)
-    values, ids, picked = top_values.tolist(), top_ids.tolist(), tokens.index_select(0, rows).tolist()
-    entries = []
-    for j, i in enumerate(wanted):
-        count = requests[i].params.logprobs or 0
-        # A grammar's forbidden tokens (-inf) are no alternatives: fewer than asked where it allows fewer.
-        top = tuple((t, v) for t, v in zip(ids[j][:count], values[j][:count], strict=True) if v != -math.inf)
-        entries.append(TokenLogprob(int(picked[j]), float(chosen[j]), top))
-    return entries
 
 
 def _sample(

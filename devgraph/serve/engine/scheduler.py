@@ -10,6 +10,12 @@ Every step the scheduler, in this order:
    step's token budget and to the blocks that are free (no preemption for a prefill chunk);
 3. admits waiting requests first come, first served, while fewer than ``max_running`` run, budget is
    left and the first chunk's blocks are free; the head of the queue blocks the rest (no overtaking).
+   A request with ``n`` copies is admitted only where all ``n`` fit the running batch: it computes the
+   prompt once, and :meth:`Scheduler.fork` then hands its copies its KV blocks (shared, not copied).
+
+A block that several requests hold (a prompt's blocks after a fork) is read-only: a request about to
+write into one gets a private copy first (copy-on-write): the schedule lists the ``(source, copy)`` block
+pairs, which the engine copies on the device before the step's forward.
 
 In ``mixed`` mode decode tokens count against the token budget (they share one forward with the
 chunks); otherwise decodes run in a step of their own and the budget applies to chunks only.
@@ -45,6 +51,8 @@ class Schedule:
     decodes: list[Request] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    #: ``(source, copy)`` KV blocks to copy before the forward (copy-on-write of shared blocks).
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -84,7 +92,7 @@ class Scheduler:
         if request.status is Status.RUNNING:
             self.running.remove(request)
             self._release(request)
-        elif request.status is Status.WAITING:
+        elif request.status is Status.WAITING and request in self.waiting:  # (a copy not forked is not)
             self.waiting.remove(request)
         request.status = Status.FINISHED
 
@@ -96,18 +104,44 @@ class Scheduler:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _grow(self, request: Request, tokens: int) -> bool:
-        """Give ``request`` blocks for its first ``tokens`` positions; False when not enough are free."""
-        extra = self.blocks_for(tokens) - len(request.blocks)
-        if extra <= 0:
-            return True
-        if extra > self.allocator.num_free:
+    def _grow(self, request: Request, tokens: int, schedule: Schedule) -> bool:
+        """Give ``request`` blocks for its first ``tokens`` positions, private ones from its first
+        uncomputed position on (copy-on-write of shared blocks); False when not enough are free."""
+        first = request.num_computed // self.block_size
+        shared = [
+            i for i in range(first, min(len(request.blocks), self.blocks_for(tokens)))
+            if self.allocator.holders(request.blocks[i]) > 1
+        ]  # fmt: skip
+        extra = max(0, self.blocks_for(tokens) - len(request.blocks))
+        if extra + len(shared) > self.allocator.num_free:
             return False
-        new = self.allocator.allocate(extra)
         assert request.row is not None
-        self.tables.write(request.row, len(request.blocks), new)
-        request.blocks.extend(new)
+        for i in shared:
+            (private,) = self.allocator.allocate(1)
+            schedule.copies.append((request.blocks[i], private))
+            self.allocator.free([request.blocks[i]])
+            request.blocks[i] = private
+            self.tables.write(request.row, i, [private])
+        if extra:
+            new = self.allocator.allocate(extra)
+            self.tables.write(request.row, len(request.blocks), new)
+            request.blocks.extend(new)
         return True
+
+    def fork(self, request: Request) -> list[Request]:
+        """Start ``request``'s waiting copies (its prompt computed): each takes a table row and shares its
+        KV blocks, at the same computed position. Returns the copies, now running."""
+        copies, request.copies = request.copies, []
+        for copy in copies:
+            copy.row = self.tables.acquire()
+            self.allocator.share(request.blocks)
+            copy.blocks = list(request.blocks)
+            self.tables.write(copy.row, 0, copy.blocks)
+            copy.num_computed = request.num_computed
+            copy.scheduled_time = request.scheduled_time
+            copy.status = Status.RUNNING
+            self.running.append(copy)
+        return copies
 
     def _release(self, request: Request) -> None:
         self.allocator.free(request.blocks)
@@ -133,7 +167,7 @@ class Scheduler:
         for request in [r for r in self.running if r.remaining == 1]:
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            while not self._grow(request, request.num_tokens):
+            while not self._grow(request, request.num_tokens, schedule):
                 victim = self.running[-1]
                 self._preempt(victim, schedule)
                 if victim is request:
@@ -144,8 +178,10 @@ class Scheduler:
         for request in self.running:
             if request.remaining > 1 and budget > 0:
                 budget -= self._add_chunk(request, budget, schedule)
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if len(self.running) + 1 + len(request.copies) > self.max_running:
+                break
             if self.allocator.num_free < 1:
                 break
             self.waiting.popleft()
@@ -175,7 +211,7 @@ class Scheduler:
         length = min(request.remaining, budget)
         room = (len(request.blocks) + self.allocator.num_free) * self.block_size - start
         length = min(length, room)
-        if length <= 0 or not self._grow(request, start + length):
+        if length <= 0 or not self._grow(request, start + length, schedule):
             return 0
         schedule.chunks.append(Chunk(request, start, length, start + length == request.num_tokens))
         return length
@@ -183,4 +219,5 @@ class Scheduler:
     @staticmethod
     def _merge(first: Schedule, second: Schedule) -> Schedule:
         second.preempted[:0] = first.preempted
+        second.copies[:0] = first.copies
         return second

@@ -15,6 +15,7 @@ def engine_stats(engine: Any) -> dict[str, Any]:  # an Engine (it imports this m
         "kv_blocks_total": engine.allocator.capacity,
         "prompt_tokens": engine.prompt_tokens,
         "generation_tokens": engine.generation_tokens,
+        "prefill_tokens": engine.prefill_tokens,
         "steps": dict(engine.step_counts),
         "preemptions": engine.scheduler.preemptions,
         "engine_padding_tokens": engine.engine_padding,

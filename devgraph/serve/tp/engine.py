@@ -19,7 +19,7 @@ import torch
 from devgraph.messages import describe_error
 from devgraph.ranks.group import RANK_TIMEOUT_ENV
 from devgraph.serve.engine.batch import StepBatch
-from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.engine import Engine, StepResult
 from devgraph.serve.tp.channel import RankLost, StepChannel
 from devgraph.serve.tp.wire import encode_step
 
@@ -41,7 +41,7 @@ class TPEngine(Engine):
         self.batch_device = torch.device("cpu")  # the forward moves the encoded step to the device
         self._pin = self.model.device.type == "cuda"
 
-    def forward(self, kind: str, batch: StepBatch) -> torch.Tensor:
+    def forward(self, kind: str, batch: StepBatch) -> StepResult:
         try:
             message = encode_step(
                 kind,
