@@ -18,6 +18,7 @@ from devgraph.flag.config import add_device_graph_args
 from devgraph.flag.tuning import apply_tuned
 from devgraph.messages import shorten
 from devgraph.reference.config import ATTENTION_MODES, PRESET_NAMES
+from devgraph.serve.checkpoint.template_render import RenderLimits
 
 __all__ = [
     "add_bench_serve_parser",
@@ -161,6 +162,20 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="a Jinja chat template replacing the checkpoint's own (for /v1/chat/completions)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
+        "off by default: a template is code, and only the server's own is rendered",
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=_positive_float,
+        default=RenderLimits.seconds,
+        metavar="SECONDS",
+        help="seconds one chat-template render may take before its worker process is stopped and the "
+        f"request gets 400 (default {RenderLimits.seconds:g})",
     )
     parser.add_argument(
         "--dtype",

@@ -6,7 +6,8 @@ system, developer, user, assistant or tool and a ``content`` that is a string or
 ``max_completion_tokens`` / ``max_tokens`` (default: the rest of the context), ``logprobs`` (true/false)
 and ``top_logprobs`` (0 to 20, with ``logprobs``), and the template's own knobs as vLLM takes them:
 ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt``
-(default true) and ``continue_final_message``. Images, audio and tool calls are refused.
+(default true) and ``continue_final_message``; ``chat_template`` (a template of the request's own) only where
+the server runs with ``--trust-request-chat-template``. Images, audio and tool calls are refused.
 
 A streamed answer opens with a chunk holding ``{"role": "assistant", "content": ""}``, then one chunk per
 step with the new text; with ``stream_options.include_usage`` a last chunk has ``choices: []`` and the
@@ -40,6 +41,7 @@ FIELDS = COMMON_FIELDS | {
     "logprobs",
     "top_logprobs",
     "chat_template_kwargs",
+    "chat_template",
     "add_generation_prompt",
     "continue_final_message",
 }
@@ -70,6 +72,8 @@ def parse_chat(
             f"chat_template_kwargs must be an object, got {shorten(kwargs)}",
             param="chat_template_kwargs",
         )
+    if "chat_template" in body:  # the tokenizer refuses it unless the server trusts request templates
+        kwargs = {**kwargs, "chat_template": body["chat_template"]}
     continue_final = as_bool(body, "continue_final_message", False)
     add_prompt = as_bool(body, "add_generation_prompt", not continue_final)
     if continue_final and add_prompt:

@@ -80,6 +80,16 @@ def _start_world(args: argparse.Namespace) -> Any:
 
 def _serve(args: argparse.Namespace, began: float, startup: Startup, world: Any) -> int:
     source = open_source(args, startup)
+    source.tokenizer.start()  # the chat-template workers start while the weights load
+    try:
+        return _serve_model(args, began, startup, world, source)
+    finally:
+        source.tokenizer.close()
+
+
+def _serve_model(
+    args: argparse.Namespace, began: float, startup: Startup, world: Any, source: ModelSource
+) -> int:
     if world is None:
         engine = build_engine(args, source, startup)
     else:
@@ -202,6 +212,7 @@ async def _run(args: argparse.Namespace, engine: EngineLoop, state: Any) -> int:
     state.draining = True
     await loop.run_in_executor(None, engine.shutdown, args.drain_timeout)
     await runner.cleanup()
+    state.chat_threads.shutdown(wait=False, cancel_futures=True)
     return 0
 
 

@@ -31,6 +31,7 @@ from devgraph.flag.factory import resolve_platform, usable_platform
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.serve.checkpoint.source import ModelSource, open_model
+from devgraph.serve.checkpoint.template_render import RenderLimits
 from devgraph.serve.engine.config import EngineConfig
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.sizing import KvSizing, kv_blocks_for_memory
@@ -92,7 +93,12 @@ def open_source(args: argparse.Namespace, startup: Startup | None = None) -> Mod
     """The model ``--model`` (or ``--preset``) names, read but not built; timed as ``model_read_s``."""
     start = time.perf_counter()
     template = getattr(args, "chat_template", None)
-    source = open_model(_model_value(args, _device(args)), Path(template) if template else None)
+    source = open_model(
+        _model_value(args, _device(args)),
+        Path(template) if template else None,
+        trust_request_template=getattr(args, "trust_request_chat_template", False),
+        render_limits=RenderLimits(seconds=getattr(args, "chat_template_timeout", RenderLimits.seconds)),
+    )
     if startup is not None:
         startup.times["model_read_s"] = time.perf_counter() - start
     return source
