@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from devgraph.console import OneLineParser, run_command
+from devgraph.console import OneLineParser, parse_command_line, run_command
 from devgraph.extras import require_extra
 from devgraph.flag.config import add_device_graph_args
 from devgraph.flag.tuning import apply_tuned
@@ -367,5 +367,7 @@ def serve_main(argv: Sequence[str]) -> int:
     ``devgraph bench serve [flags]``."""
     parser = OneLineParser(prog="devgraph")
     add_serve_commands(parser.add_subparsers(dest="command", parser_class=OneLineParser))
-    args = parser.parse_args(["bench", "serve", *argv[1:]] if argv[:1] == ["bench"] else ["serve", *argv])
+    args = parse_command_line(
+        parser, ["bench", "serve", *argv[1:]] if argv[:1] == ["bench"] else ["serve", *argv]
+    )
     return run_command(args.command_parser.prog, lambda: args.run(args))
