@@ -145,6 +145,20 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="capture sizes from devgraph tune --out, put into --device-graph-mode (docs/user-guide.md)",
     )
     parser.add_argument(
+        "--record-steps",
+        default=None,
+        metavar="PATH",
+        help="record the traffic's steps for devgraph tune: a trace written to PATH every --record-interval "
+        "seconds and at shutdown (docs/serving.md)",
+    )
+    parser.add_argument(
+        "--record-interval",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="seconds between two writes of --record-steps (default 60)",
+    )
+    parser.add_argument(
         "--model",
         default=None,
         metavar="DIR|PRESET",
@@ -340,6 +354,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "tuned", None):
         args.device_graph_mode = apply_tuned(args.device_graph_mode, args.tuned)
+    if getattr(args, "record_steps", None):
+        from devgraph.serve.api.recording import check_record_path
+
+        check_record_path(args.record_steps)
     return serve(args)
 
 
