@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,18 +101,21 @@ class _Worker:
         deadline = time.monotonic() + seconds
         data = b""
         wanted = _HEADER.size
-        with selectors.DefaultSelector() as selector:
-            selector.register(fd, selectors.EVENT_READ)
-            while len(data) < wanted:
-                left = deadline - time.monotonic()
-                if left <= 0 or not selector.select(left):
-                    raise _WorkerGone(f"no answer within {seconds:g} s")
-                chunk = os.read(fd, max(wanted - len(data), 1 << 16))
-                if not chunk:
-                    raise _WorkerGone("it exited")
-                data += chunk
-                if wanted == _HEADER.size and len(data) >= _HEADER.size:
-                    wanted += _HEADER.unpack(data[: _HEADER.size])[0]
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(fd, selectors.EVENT_READ)
+                while len(data) < wanted:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not selector.select(left):
+                        raise _WorkerGone(f"no answer within {seconds:g} s")
+                    chunk = os.read(fd, max(wanted - len(data), 1 << 16))
+                    if not chunk:
+                        raise _WorkerGone("it exited")
+                    data += chunk
+                    if wanted == _HEADER.size and len(data) >= _HEADER.size:
+                        wanted += _HEADER.unpack(data[: _HEADER.size])[0]
+        except (OSError, ValueError) as exc:  # its pipe closed under us
+            raise _WorkerGone(f"its pipe closed ({exc})") from None
         return json.loads(data[_HEADER.size : wanted].decode("ascii"))
 
     @property
@@ -119,9 +123,14 @@ class _Worker:
         return self.proc.poll() is None
 
     def kill(self) -> None:
+        """End the process; a thread waiting on its answer sees the pipe's end (its own caller cleans up)."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+    def discard(self) -> None:
+        """Kill it and close its pipes (only its caller, no other thread, may still use them)."""
+        self.kill()
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()
@@ -141,6 +150,8 @@ class TemplateRenderer:
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
+        # Workers die with their renderer even if close() is never called (a tokenizer dropped in code).
+        weakref.finalize(self, _kill_all, self._workers)
 
     def start(self) -> None:
         """Spawn the workers now (they import in the background), so the first chat request does not wait."""
@@ -157,7 +168,7 @@ class TemplateRenderer:
         return worker
 
     def _replace(self, worker: _Worker) -> None:
-        worker.kill()
+        worker.discard()
         with self._lock:
             self._workers.discard(worker)
             if not self._closed:
@@ -210,10 +221,12 @@ class TemplateRenderer:
         raise ChatTemplateError(f"the chat template was stopped: {message}")
 
     def close(self) -> None:
-        """Kill every worker; renders waiting on one end at once."""
+        """Kill every worker; renders waiting on one end at once (503: the server is shutting down)."""
         with self._lock:
             self._closed = True
-            workers = list(self._workers)
-            self._workers.clear()
-        for worker in workers:
-            worker.kill()
+        _kill_all(self._workers)
+
+
+def _kill_all(workers: set[_Worker]) -> None:
+    for worker in list(workers):
+        worker.kill()
