@@ -103,3 +103,25 @@ def test_on_the_cpu_the_cache_is_capped_at_what_the_running_requests_fill_and_th
         assert "of the host's RAM" in text and "only those are allocated" in text, text
     finally:
         engine.close()
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_share_is_of_device_memory_and_capped_the_same_way() -> None:
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    flags = ["--preset", "tiny", "--device", "cuda", "--max-running-requests", "4", "--token-budget", "16"]
+    startup = server_module.Startup()
+    engine = server_module.build_engine(
+        parser.parse_args([*flags, "--gpu-memory-utilization", "0.5"]), startup=startup
+    )
+    try:
+        sizing = startup.kv_sizing
+        config = engine.model_config
+        assert sizing is not None and sizing["memory"] == "device"
+        assert sizing["num_blocks"] == min(
+            sizing["num_blocks_affordable"], 1 + 4 * config.max_blocks_per_request
+        )
+        assert engine.model.k_cache[0].shape[0] == sizing["num_blocks"]
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0]
+        assert len(out) == 4 and engine.decode_runner.stats()["replays"] > 0
+    finally:
+        engine.close()
