@@ -12,7 +12,7 @@ PLUGINS := -e backends/cuda -e backends/rocm -e backends/npu
 # Editable installs build with the setuptools installed here (pinned too: torch requires it), not with
 # whatever setuptools the index has that day.
 INSTALL = $(PIP) install -q --no-build-isolation -c $(shell $(PYTHON) tools/pins.py select)
-LINTED := devgraph backends tests benchmarks tools
+LINTED := devgraph devgraph_launcher backends tests benchmarks tools
 
 .PHONY: demo test setup setup-test torch lint constraints test-latest test-hf-range
 
@@ -36,7 +36,7 @@ demo: setup
 lint:
 	$(PYTHON) -m ruff check $(LINTED)
 	$(PYTHON) -m ruff format --check $(LINTED)
-	$(PYTHON) -m mypy devgraph backends/cuda/devgraph_cuda backends/rocm/devgraph_rocm backends/npu/devgraph_npu tools
+	$(PYTHON) -m mypy devgraph devgraph_launcher backends/cuda/devgraph_cuda backends/rocm/devgraph_rocm backends/npu/devgraph_npu tools
 
 test: setup-test lint
 	$(PYTHON) -m pytest -q

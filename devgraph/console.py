@@ -6,13 +6,14 @@ both run their commands through it. A root leaf: it imports only devgraph's erro
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from devgraph.errors import DevGraphError
 
-__all__ = ["OneLineParser", "error_line", "missing_command", "run_command"]
+__all__ = ["OneLineParser", "error_line", "missing_command", "parse_command_line", "run_command"]
 
 
 def error_line(prog: str, message: object) -> str:
@@ -25,6 +26,21 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, error_line(self.prog, message) + "\n")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that arguments no parser knows are reported by the command they
+    were given to (``devgraph serve: error: unrecognized arguments: --modle (did you mean --model?)``), not by
+    the top-level parser: argparse hands a subcommand's unknown arguments up to ``devgraph: error:``. Each
+    parser sets ``command_parser`` to itself in its defaults, so the deepest one parsed is known."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command: argparse.ArgumentParser = getattr(args, "command_parser", None) or parser
+        flags = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
+        guesses = [difflib.get_close_matches(u.split("=", 1)[0], flags, n=1) for u in unknown]
+        hint = next((f" (did you mean {g[0]}?)" for g in guesses if g), "")
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
 
 
 def missing_command(parser: argparse.ArgumentParser, choices: str) -> int:

@@ -351,3 +351,121 @@ def test_serve_refuses_in_one_line_and_names_the_missing_extra(
         "devgraph serve: error: serving a checkpoint's tokenizer (--model DIR) needs transformers, which is "
         "not installed: pip install 'devgraph[transformers]'"
     )
+
+
+# -- damaged checkpoints: one line naming the file and what is wrong, exit code 2 ----------------------
+@pytest.fixture(scope="module")
+def intact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One servable checkpoint (Qwen3: its tokenizer class builds an empty tokenizer from no files)."""
+    for module in ("transformers", "tokenizers", "safetensors"):
+        pytest.importorskip(module, reason=f"serving a checkpoint needs {module}")
+    from checkpoints import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("intact") / "qwen3", "qwen3")
+
+
+def _overwrite(path: Path, at: int, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at : at + len(data)] = data
+    path.write_bytes(bytes(raw))
+
+
+def _shard(directory: Path, index: dict[str, Any] | None = None) -> None:
+    """Turn the single file into shard 1 of 2 and write an index naming shard 2 for half the tensors."""
+    from safetensors import safe_open
+
+    first = directory / "model-00001-of-00002.safetensors"
+    (directory / "model.safetensors").rename(first)
+    with safe_open(str(first), "pt") as handle:
+        names = list(handle.keys())
+    files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    weight_map = {name: files[i % 2] for i, name in enumerate(names)}
+    text = json.dumps(index if index is not None else {"metadata": {}, "weight_map": weight_map})
+    (directory / "model.safetensors.index.json").write_text(text)
+
+
+DAMAGE: dict[str, tuple[Any, str, str]] = {
+    # name: (how to damage the copy, the file named, what the line says is wrong)
+    "truncated": (
+        lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:40000]),
+        "model.safetensors",
+        "not a readable safetensors file",
+    ),
+    "overwritten header": (
+        lambda d: _overwrite(d / "model.safetensors", 8, b"garbage!" * 4),
+        "model.safetensors",
+        "invalid JSON in header",
+    ),
+    "zero bytes": (
+        lambda d: (d / "model.safetensors").write_bytes(b""),
+        "model.safetensors",
+        "header too small",
+    ),
+    "missing shard": (_shard, "model.safetensors.index.json", "missing from"),
+    "empty weight_map": (
+        lambda d: _shard(d, {"weight_map": {}}),
+        "model.safetensors.index.json",
+        "weight_map must be a non-empty object",
+    ),
+    "a shard outside the directory": (
+        lambda d: _shard(d, {"weight_map": {"model.norm.weight": "../../etc/passwd"}}),
+        "model.safetensors.index.json",
+        "not a file name in the checkpoint directory",
+    ),
+    "head_dim a string": (
+        lambda d: _edit_config(d, head_dim="16"),
+        "config.json",
+        "head_dim must be a positive integer, got '16' (a str)",
+    ),
+    "head_dim a float": (
+        lambda d: _edit_config(d, head_dim=16.0),
+        "config.json",
+        "head_dim must be a positive integer, got 16.0 (a float)",
+    ),
+    "tie_word_embeddings a string": (
+        lambda d: _edit_config(d, tie_word_embeddings="false"),
+        "config.json",
+        "tie_word_embeddings must be true or false, got 'false' (a str)",
+    ),
+    "a field only transformers checks": (
+        lambda d: _edit_config(d, initializer_range="x"),
+        "config.json",
+        "does not pass transformers' checks (it reads it to load the tokenizer)",
+    ),
+    "model_type a list": (lambda d: _edit_config(d, model_type=["qwen3"]), "qwen3", "is not supported"),
+    "config.json nested 100000 deep": (
+        lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000),
+        "config.json",
+        "nests arrays or objects too deeply",
+    ),
+    "config.json not UTF-8": (
+        lambda d: (d / "config.json").write_bytes(b"\xff\xfe{}"),
+        "config.json",
+        "is not UTF-8 text",
+    ),
+    "tokenizer.json not JSON": (
+        lambda d: (d / "tokenizer.json").write_text("{broken"),
+        "tokenizer.json",
+        "is not JSON",
+    ),
+    "no tokenizer files": (
+        lambda d: [(d / name).unlink() for name in ("tokenizer.json", "tokenizer_config.json")],
+        "qwen3",
+        "has no usable tokenizer: transformers built an empty one",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_every_damaged_checkpoint_is_one_line_naming_the_file(
+    intact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    from devgraph.cli import main
+
+    edit, file, needle = DAMAGE[damage]
+    directory = Path(shutil.copytree(intact, tmp_path / "qwen3"))
+    edit(directory)
+    assert main(["serve", "--model", str(directory), "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("devgraph serve: error: "), err
+    assert file in err[0] and needle in err[0], err

@@ -28,6 +28,52 @@ def test_version_is_the_distribution_version(capsys):
     assert declared is not None and declared.group(1) == __version__  # what pip installs is what prints
 
 
+def test_version_answers_without_importing_torch():
+    # The console command's entry point (pyproject's [project.scripts]) answers --version before anything
+    # under devgraph (and so torch, seconds of imports) is loaded.
+    scripts = re.search(r"^devgraph = \"([^\"]+)\"$", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert scripts is not None and scripts.group(1) == "devgraph_launcher:main"
+    probe = (
+        "import sys; from devgraph_launcher import main; code = main(['--version']); "
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'devgraph')); "
+        "print(code, loaded)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", probe],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stdout.splitlines() == [f"devgraph {__version__}", "0 []"], result
+    assert not re.search(r"\|\s+torch$", result.stderr, re.MULTILINE)  # -X importtime lists every import
+
+
+def test_a_mistyped_flag_is_reported_by_its_command(capsys):
+    cases = [
+        (
+            ["serve", "--modle", "x"],
+            "devgraph serve: error: unrecognized arguments: --modle x (did you mean --model?)",
+        ),
+        (
+            ["tune", "t.json", "--grahps", "3"],
+            "devgraph tune: error: unrecognized arguments: --grahps 3 (did you mean --graphs?)",
+        ),
+        (
+            ["bench", "serve", "--concurency=3"],
+            "devgraph bench serve: error: unrecognized arguments: --concurency=3 "
+            "(did you mean --concurrency?)",
+        ),
+        (["info", "--jsn"], "devgraph info: error: unrecognized arguments: --jsn (did you mean --json?)"),
+        (["serve", "extra"], "devgraph serve: error: unrecognized arguments: extra"),
+    ]
+    for argv, line in cases:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert capsys.readouterr().err == line + "\n"
+
+
 def test_bare_devgraph_prints_usage_and_exits_2(capsys):
     # argparse's convention for a missing required argument: usage on stderr, exit code 2.
     assert main([]) == 2

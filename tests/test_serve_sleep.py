@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ from devgraph.platforms.sim.pool import reserved_bytes
 from devgraph.reference import ReferenceConfig, ReferenceModel
 from devgraph.serve.cli import add_serve_parser
 from devgraph.serve.engine import Engine, EngineAsleep, EngineConfig, EngineLoop, SamplingParams
+from devgraph.serve.engine.request import FinishReason, RequestOutput
 
 pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
 
@@ -160,3 +164,63 @@ def test_cuda_sleep_hands_the_graph_pool_back_and_wakes_with_the_same_tokens() -
     engine.wake_up()
     assert engine.generate([PROMPT], params)[0] == before
     engine.close()
+
+
+class _SlowToLock:
+    """The engine loop's state lock, reached a little late by the engine thread: the window between taking
+    requests off the queue and locking the engine, where ``sleep()`` used to find no work, made wide
+    enough to hit every time instead of in about half of the rounds."""
+
+    def __init__(self, lock: Any, engine_thread: str) -> None:
+        self.lock, self.engine_thread = lock, engine_thread
+
+    def __enter__(self) -> None:
+        if threading.current_thread().name == self.engine_thread:
+            time.sleep(0.02)
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_a_request_racing_sleep_completes_or_is_refused_before_it_starts() -> None:
+    """Each round submits a request and at once puts the engine to sleep: the request is refused
+    (EngineAsleep: 503 before its stream starts) or accepted and then completes (sleep is refused while it
+    is in flight); never accepted and then failed (a 500 error event, before the fix)."""
+    loop = EngineLoop(make_engine())
+    loop._state_lock = _SlowToLock(loop._state_lock, "devgraph-engine")  # type: ignore[assignment]
+    loop.start()
+    try:
+        for round_ in range(20):
+            outcome = _race_once(loop)
+            assert outcome in ("completed", "refused"), (round_, outcome)
+    finally:
+        loop.shutdown()
+        loop.engine.close()
+
+
+def _race_once(loop: EngineLoop) -> str:
+    outputs: list[RequestOutput] = []
+    finished = threading.Event()
+
+    def sink(output: RequestOutput) -> None:
+        outputs.append(output)
+        if output.finished:
+            finished.set()
+
+    try:
+        loop.submit(PROMPT, SamplingParams(max_tokens=2), sink)
+    except EngineAsleep:
+        return "refused"
+    time.sleep(0.002)  # the engine thread takes the request off the queue, then reaches for its lock
+    with contextlib.suppress(ConfigError):  # refused while a request is in flight
+        loop.sleep(1)
+    slept = loop.is_sleeping
+    assert finished.wait(30)
+    if slept:
+        loop.wake_up()
+    last = outputs[-1]
+    tokens = sum(len(o.token_ids) for o in outputs)
+    if last.finish_reason is FinishReason.LENGTH and tokens == 2:
+        return "completed"
+    return f"failed: {last.finish_reason} {last.error}"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -148,7 +150,7 @@ def test_a_trace_round_trips_and_merges_phases(tmp_path):
         ({"a": 1}, "is neither"),
         ({"format": "devgraph-steps", "version": 2, "phases": {}}, "version 2 is not 1"),
         ({"format": "devgraph-steps", "version": 1, "phases": {"dekode": {}}}, "is not a phase"),
-        ({"format": "devgraph-steps", "version": 1, "phases": {"decode": {"steps": [[0, 1]]}}}, ">= 1"),
+        ({"format": "devgraph-steps", "version": 1, "phases": {"decode": {"steps": [[0, 1]]}}}, "from 1 to"),
         (
             {"format": "devgraph-steps", "version": 1, "phases": {"decode": {"steps": [[4]]}}},
             "holds 1 counts",
@@ -278,21 +280,137 @@ def test_serve_tuned_puts_the_sizes_into_the_mode(tmp_path):
         apply_tuned(base, tmp_path / "bad.json")
 
 
-def test_the_flag_axes_key_is_checked_and_cut_at_each_token_size():
-    with pytest.raises(ConfigError, match="keys are axis names other than 'tokens'"):
-        DeviceGraphConfig.parse('{"prefill": {"axes": {"tokens": [4]}}}')
-    with pytest.raises(ConfigError, match="must be an object mapping an axis"):
-        DeviceGraphConfig.parse('{"prefill": {"axes": [4]}}')
+def two_axis_runner(**kwargs: Any) -> GraphRunner:
+    """A prefill runner with a requests axis: token sizes 2 and 16, request buckets 1 and 4."""
     inputs = {"x": StaticInput(torch.float32, (4,)), "lens": StaticInput(torch.int32, axis="requests")}
 
     def forward(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         return x * 2
 
-    runner = GraphRunner(
-        forward,
-        phase="prefill",
-        inputs=inputs,
-        device="cpu",
-        config='{"prefill": {"sizes": [2, 16], "axes": {"requests": [1, 4]}}}',
-    )
+    config = '{"prefill": {"sizes": [2, 16], "axes": {"requests": [1, 4]}}}'
+    return GraphRunner(forward, phase="prefill", inputs=inputs, device="cpu", config=config, **kwargs)
+
+
+def test_the_flag_axes_key_is_checked_and_cut_at_each_token_size():
+    with pytest.raises(ConfigError, match="keys are axis names other than 'tokens'"):
+        DeviceGraphConfig.parse('{"prefill": {"axes": {"tokens": [4]}}}')
+    with pytest.raises(ConfigError, match="must be an object mapping an axis"):
+        DeviceGraphConfig.parse('{"prefill": {"axes": [4]}}')
+    runner = two_axis_runner()
     assert runner.schedule.buckets == {2: {"requests": (1, 2)}, 16: {"requests": (1, 4)}}
+
+
+# -- speed and exactness at scale, hostile files, the stats() export, the wrong file for --tuned ---------
+def table_programme(histogram: dict[int, int], graphs: int) -> int:
+    """The least padding by the plain O(m^2)-per-round programme over the whole table (the reference)."""
+    values = sorted(histogram)
+    m = len(values)
+
+    def pad(i: int, j: int) -> int:  # counts i..j padded to values[j]
+        return sum(histogram[values[t]] * (values[j] - values[t]) for t in range(i, j + 1))
+
+    cost = [[pad(i, j) if i <= j else None for j in range(m)] for i in range(m)]
+    best = [cost[0][j] for j in range(m)]
+    least = best[-1]
+    for _ in range(min(graphs, m) - 1):
+        best = [
+            min((best[i] + cost[i + 1][j] for i in range(j) if best[i] is not None), default=None)
+            for j in range(m)
+        ]
+        least = min(least, best[-1])
+    return least
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_monotone_programme_equals_the_whole_table(seed):
+    rng = random.Random(300 + seed)
+    histogram = {rng.randint(1, 4000): rng.randint(1, 200) for _ in range(120)}
+    for graphs in (2, 7, 19):
+        padded = padding_of(histogram, optimal_sizes(histogram, graphs))[0]
+        assert padded == table_programme(histogram, graphs), (seed, graphs)
+
+
+def test_tune_stays_interactive_on_8192_distinct_counts(tmp_path, capsys):
+    # Every prefill count from 1 to 8192, two axes, the default budget (equal graph memory: the size-sum
+    # bound binds) and a large --graphs: each well under 10 s on a loaded 2-core machine.
+    rng = random.Random(7)
+    rows = Counter({(n, rng.randint(1, 8)): rng.randint(1, 40) for n in range(1, 8193)})
+    trace = write_trace(tmp_path / "steps.json", [PhaseSteps("prefill", ("tokens", "requests"), rows)])
+    for extra in ([], ["--graphs", "64"]):
+        start = time.perf_counter()
+        assert main(["tune", str(trace), "--report", str(tmp_path / "report.json"), *extra]) == 0
+        seconds = time.perf_counter() - start
+        axis = json.loads((tmp_path / "report.json").read_text())["phases"]["prefill"]["axes"][0]
+        assert axis["exact"] and axis["sizes"][-1] == 8192 and seconds < 10, (extra, seconds, axis)
+        if not extra:  # equal graph memory: no more graphs, no larger sum of sizes than the defaults
+            assert len(axis["sizes"]) <= 18 and axis["sizes_sum"] <= axis["baseline_sizes_sum"]
+    capsys.readouterr()
+
+
+def _hostile_files(tmp_path):
+    head = '{"format": "devgraph-steps", "version": 1, "phases": {"decode": {"steps": [['
+    files = {
+        "a 5000-digit count": (head + "9" * 5000 + ", 1]]}}}", "more than 4300 digits"),
+        "a 4000-digit count": (head + "9" * 4000 + ", 1]]}}}", "count must be an integer from 1 to"),
+        "JSON nested 100000 deep": ("[" * 100_000 + "]" * 100_000, "nests"),
+        "steps past the cap": (head + "4, " + str(1 << 41) + "]]}}}", "number of steps must be"),
+        "a list of lists": ("[[[1]]]", "must be a JSON object (a runner's stats())"),
+    }
+    paths = {}
+    for name, (text, needle) in files.items():
+        path = tmp_path / f"{len(paths)}.json"
+        path.write_text(text)
+        paths[name] = (path, needle)
+    binary = tmp_path / "latin1.json"
+    binary.write_bytes(b'{"format": "devgraph-steps", "caf\xe9": 1}')
+    paths["a non-UTF-8 file"] = (binary, "not UTF-8 text (byte 0xe9")
+    return paths
+
+
+def test_every_hostile_trace_is_one_line_naming_the_file(tmp_path, capsys):
+    for name, (path, needle) in _hostile_files(tmp_path).items():
+        assert main(["tune", str(path)]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"devgraph tune: error: {path}"), (name, err)
+        assert needle in err[0], (name, err)
+    decode = write_trace(tmp_path / "ok.json", [PhaseSteps("decode", ("tokens",), Counter({(3,): 2}))])
+    assert main(["tune", str(decode), "--out", str(tmp_path / "no" / "dir.json")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_a_two_axis_runners_stats_export_is_read_with_its_axes_sizes_and_bytes():
+    runner = two_axis_runner(record_steps=True)
+    runner.capture()
+    for n, r in ((3, 2), (3, 2), (12, 4)):
+        runner.run(x=torch.ones(n, 4), lens=torch.ones(r, dtype=torch.int32))
+    exported = json.loads(json.dumps(runner.stats()))
+    read = read_steps(exported)["prefill"]
+    direct = runner.recorded_steps()
+    assert read.axes == direct.axes == ("tokens", "requests")
+    assert read.histogram == direct.histogram == Counter({(3, 2): 2, (12, 4): 1})
+    assert read.sizes == direct.sizes and read.graph_bytes == direct.graph_bytes
+    tuned = tune_phase(read, graphs=2, axis_graphs={"requests": 2})
+    assert tuned.axis("tokens").sizes == (3, 12) and tuned.axis("requests").sizes == (2, 4)
+    runner.close()
+
+
+def test_serve_tuned_given_the_wrong_file_names_the_file_and_the_fix(tmp_path, capsys):
+    trace = write_trace(tmp_path / "steps.json", [PhaseSteps("decode", ("tokens",), Counter({(3,): 2}))])
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"phase": "decode", "recorded": {"steps": [[3, 2]]}}))
+    flags = tmp_path / "flags.json"
+    flags.write_text(json.dumps({"decode": {"backend": "full", "sizes": [4]}}))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"decode": {"sizes": [0]}}))
+    cases = [
+        (trace, f"{trace} holds recorded steps, not tuned sizes: run devgraph tune {trace} --out"),
+        (stats, "holds recorded steps, not tuned sizes"),
+        (flags, "sets backend; a tuned-sizes file holds only sizes"),
+        (bad, f"{bad}: "),
+        (tmp_path / "missing.json", "cannot read tuned sizes from"),
+    ]
+    for path, needle in cases:
+        assert main(["serve", "--tuned", str(path), "--device", "cpu", "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("devgraph serve: error: "), err
+        assert needle in err[0] and "--device-graph-mode" not in err[0].split("sets backend")[0], err

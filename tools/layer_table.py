@@ -95,7 +95,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
             ("devgraph.flag.*",),
             "`--device-graph-mode`: the values a phase may hold (`values.py`, which asks the registry for "
             "the mode names and for which of them compile), size lists (`sizes.py`), recorded steps "
-            "(`trace.py`) and sizes tuned to them (`tuning.py`), the parsed flag (`config.py`), and the "
+            "(`trace.py`) and sizes tuned to them (`tuning.py`), JSON files a user names read with one "
+            "error for each way they can be wrong (`jsonfile.py`), the parsed flag (`config.py`), and the "
             "factory (`factory.py`: device → platform, (phase, flag, features) → backend, `create_backend`)",
         ),
     ),

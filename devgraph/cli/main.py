@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from devgraph._version import __version__
-from devgraph.console import OneLineParser, missing_command, run_command
+from devgraph.console import OneLineParser, missing_command, parse_command_line, run_command
 from devgraph.errors import BackendUnavailableError, ConfigError, DevGraphError
 from devgraph.flag.config import DeviceGraphConfig, device_graph_mode_type
 from devgraph.flag.factory import resolve_platform, usable_platform
@@ -195,7 +195,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     if args.command is None:
         return missing_command(parser, "info, demo, tune, serve or bench")
     if args.command == "bench" and args.bench is None:

@@ -140,12 +140,19 @@ def run_tune(args: argparse.Namespace) -> int:
     text = json.dumps(flag)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+        _write("--out", args.out, text)
     if args.report:
         report = {
             "steps_file": str(args.steps),
             "flag": flag,
             "phases": {t.phase: {"steps": t.steps, "axes": [a.as_dict() for a in t.axes]} for t in tunings},
         }
-        Path(args.report).write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        _write("--report", args.report, json.dumps(report, indent=1))
     return 0
+
+
+def _write(flag: str, path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{flag} {shorten(path)}: cannot write it ({exc.strerror or exc})") from None

@@ -12,12 +12,18 @@
 Each row of ``steps`` holds one count per axis (in ``axes`` order) and, last, how many steps had exactly
 those counts. ``sizes`` (optional) is the schedule the runner had, per axis; ``graph_bytes`` (optional) the
 bytes each captured token size grew the graph pool by. ``tune`` also reads a ``stats()`` export (one runner's
-dict, or a list of them), using its ``recorded`` section.
+dict, or a list of them): its ``recorded`` section holds the rows, and the keys it captured or replayed
+(``graph_memory.by_key``, ``replays_by_key``: ``"tokens=96,requests=2"``) name the axes and give the token
+sizes and their bytes.
+
+Every value is checked, so a hostile file is one :class:`ConfigError` naming it: counts are sizes a phase can
+capture (at most :data:`MAX_COUNT`), steps per row at most :data:`MAX_STEPS`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +33,8 @@ from typing import Any
 from devgraph.contract.keys import TOKENS
 from devgraph.contract.phases import PHASES
 from devgraph.errors import ConfigError
+from devgraph.flag.jsonfile import read_json_file
+from devgraph.flag.sizes import HARD_MAX_SIZE
 from devgraph.messages import shorten
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "PhaseSteps", "load_steps", "read_steps", "write_trace"]
@@ -35,6 +43,10 @@ TRACE_FORMAT = "devgraph-steps"
 TRACE_VERSION = 1
 #: Rows a file may hold per phase (a histogram of distinct counts; a real trace has thousands at most).
 MAX_ROWS = 1 << 20
+#: The largest count on any axis: the largest size any phase may capture.
+MAX_COUNT = max(HARD_MAX_SIZE.values())
+#: The most steps one row may count (a million steps a second for twelve days), so sums stay exact.
+MAX_STEPS = 1 << 40
 
 
 @dataclass
@@ -79,9 +91,9 @@ class PhaseSteps:
         return out
 
 
-def _int(value: Any, what: str, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{what} must be an integer >= {low}, got {shorten(value)}")
+def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{what} must be an integer from {low} to {high}, got {shorten(value, 40)}")
     return value
 
 
@@ -110,7 +122,7 @@ def _phase_from_json(phase: str, data: Any, where: str) -> PhaseSteps:
                 f"of steps; got {shorten(row)}"
             )
         counts = tuple(_int(c, f"{where}: a {phase} count", 1) for c in row[:-1])
-        recorded.histogram[counts] += _int(row[-1], f"{where}: a {phase} number of steps")
+        recorded.histogram[counts] += _int(row[-1], f"{where}: a {phase} number of steps", 0, MAX_STEPS)
     sizes = data.get("sizes") or {}
     if not isinstance(sizes, Mapping):
         raise ConfigError(f"{where}: {phase}.sizes must map an axis to its sizes")
@@ -122,14 +134,60 @@ def _phase_from_json(phase: str, data: Any, where: str) -> PhaseSteps:
     if not isinstance(graph_bytes, Mapping):
         raise ConfigError(f"{where}: {phase}.graph_bytes must map a token size to bytes")
     for size, nbytes in graph_bytes.items():
-        try:
-            tokens = int(size)
-        except (TypeError, ValueError):
+        text = str(size)
+        if not text.isdigit() or len(text) > 8 or not 1 <= int(text) <= MAX_COUNT:
             raise ConfigError(
-                f"{where}: {phase}.graph_bytes keys are token sizes, got {shorten(size)}"
-            ) from None
-        recorded.graph_bytes[tokens] = _int(nbytes, f"{where}: {phase}.graph_bytes[{size}]")
+                f"{where}: {phase}.graph_bytes keys are token sizes from 1 to {MAX_COUNT}, "
+                f"got {shorten(size)}"
+            )
+        recorded.graph_bytes[int(text)] = _int(nbytes, f"{where}: {phase}.graph_bytes[{text}]", 0, 1 << 62)
     return recorded
+
+
+def _key_parts(key: Any) -> list[tuple[str, str]]:
+    """``"tokens=96,requests=2"`` (a :class:`GraphKey` as ``stats()`` writes it) as (name, value) pairs."""
+    return [part.partition("=")[::2] for part in str(key).split(",")]
+
+
+def _phase_from_stats(stats: Mapping[str, Any], recorded: Any, where: str) -> PhaseSteps:
+    """One runner's ``stats()`` export: the rows of ``recorded``; the axes, the token sizes and their bytes
+    from the keys it captured (``graph_memory.by_key``) or replayed (``replays_by_key``)."""
+    phase = str(stats["phase"])
+    if not isinstance(recorded, Mapping):
+        raise ConfigError(f"{where}: 'recorded' must be an object with 'steps', got {shorten(recorded)}")
+    rows = recorded.get("steps")
+    width = len(rows[0]) if isinstance(rows, list) and rows and isinstance(rows[0], list) else 2
+    memory = stats.get("graph_memory")
+    by_key = memory.get("by_key") if isinstance(memory, Mapping) else None
+    by_key = by_key if isinstance(by_key, Mapping) else {}
+    replayed = stats.get("replays_by_key")
+    keys = [*by_key, *(replayed if isinstance(replayed, Mapping) else {})]
+    data = dict(recorded)
+    if "axes" not in data and width > 2:
+        spelled = (_key_parts(key)[: width - 1] for key in keys)
+        named = next(([name for name, _ in parts] for parts in spelled if len(parts) == width - 1), None)
+        if named is None:
+            raise ConfigError(
+                f"{where}: the {phase} runner's stats() records {width - 1} counts a step but names no axes "
+                "(it captured and replayed no key); write a trace instead: "
+                "devgraph.write_trace(path, [runner.recorded_steps()])"
+            )
+        data["axes"] = named
+    steps = _phase_from_json(phase, data, where)
+    # What recorded_steps() adds to a trace: the sizes captured on each axis, the bytes each token size took.
+    captured: dict[str, set[int]] = {}
+    for key, nbytes in by_key.items():
+        parts = dict(_key_parts(key))
+        for axis in steps.axes:
+            value = parts.get(axis, "")
+            if value.isdigit() and len(value) <= 8:
+                captured.setdefault(axis, set()).add(int(value))
+        tokens = parts.get(TOKENS, "")
+        if tokens.isdigit() and len(tokens) <= 8 and type(nbytes) is int and 0 <= nbytes < 1 << 62:
+            steps.graph_bytes[int(tokens)] = steps.graph_bytes.get(int(tokens), 0) + nbytes
+    for axis, values in captured.items():
+        steps.sizes.setdefault(axis, sorted(values))
+    return steps
 
 
 def read_steps(data: Any, where: str = "steps") -> dict[str, PhaseSteps]:
@@ -145,6 +203,10 @@ def read_steps(data: Any, where: str = "steps") -> dict[str, PhaseSteps]:
 
     if isinstance(data, list):
         for i, item in enumerate(data):
+            if not isinstance(item, Mapping):  # a list holds stats() objects, not more lists
+                raise ConfigError(
+                    f"{where}[{i}] must be a JSON object (a runner's stats()), got {shorten(item)}"
+                )
             for steps in read_steps(item, f"{where}[{i}]").values():
                 add(steps)
         return found
@@ -169,7 +231,7 @@ def read_steps(data: Any, where: str = "steps") -> dict[str, PhaseSteps]:
                 f"{where}: the {data['phase']} runner's stats() holds no recorded steps; build the runner "
                 "with record_steps=True (or call runner.record_steps(True)) before the traffic to tune for"
             )
-        add(_phase_from_json(str(data["phase"]), recorded, where))
+        add(_phase_from_stats(data, recorded, where))
         return found
     raise ConfigError(
         f'{where} is neither a {TRACE_FORMAT} trace ("format": {TRACE_FORMAT!r}) nor a runner\'s stats() '
@@ -179,16 +241,7 @@ def read_steps(data: Any, where: str = "steps") -> dict[str, PhaseSteps]:
 
 def load_steps(path: str | Path) -> dict[str, PhaseSteps]:
     """Recorded steps per phase from a trace file or a ``stats()`` JSON export."""
-    source = Path(path)
-    try:
-        text = source.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read recorded steps from {source}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source} is not JSON ({exc.msg} at line {exc.lineno})") from None
-    return read_steps(data, str(source))
+    return read_steps(read_json_file(path, "recorded steps"), str(path))
 
 
 def write_trace(path: str | Path, phases: Sequence[PhaseSteps] | Mapping[str, PhaseSteps]) -> Path:
@@ -208,5 +261,7 @@ def write_trace(path: str | Path, phases: Sequence[PhaseSteps] | Mapping[str, Ph
         "phases": {phase: steps.to_json() for phase, steps in merged.items()},
     }
     target = Path(path)
-    target.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    partial = target.with_name(f".{target.name}.partial")  # a reader never sees half a file
+    partial.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(partial, target)
     return target

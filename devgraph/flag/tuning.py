@@ -4,11 +4,21 @@ For one axis, given how many steps had each count (:class:`~devgraph.flag.trace.
 ``graphs`` sizes, the largest one covering the largest count seen (or a given ``top``), so that the rows
 padded over those steps, ``sum(steps(n) * (bucket(n) - n))``, are as few as possible. The best sizes always
 lie on counts that were seen (moving a size down to the largest count it covers only removes padding), so a
-dynamic programme over the distinct counts is exact: ``best[k][j]``, the least padding of the counts up to
-the ``j``-th with ``k`` sizes, the last at the ``j``-th, is the minimum over ``i`` of ``best[k-1][i]`` plus
-the padding of counts ``i+1..j`` into a size at the ``j``-th. Each of the ``graphs`` rounds is one
-vectorised minimum over an ``m x m`` table (``m`` distinct counts, at most :data:`MAX_EXACT_COUNTS`; beyond
-that, counts are first rounded up to a common step and the result is no longer exact).
+dynamic programme over the ``m`` distinct counts is exact: ``best[k][j]``, the least padding of the counts up
+to the ``j``-th with ``k`` sizes, the last at the ``j``-th, is the minimum over ``i < j`` of ``best[k-1][i]``
+plus the padding of counts ``i+1..j`` into a size at the ``j``-th.
+
+That padding is a Monge cost (moving a bucket's end up never makes a lower start cheaper), so the best ``i``
+never decreases as ``j`` grows: each round finds all ``m`` minima by divide and conquer in ``O(m log m)``
+(vectorised, one tensor operation per level of the recursion) instead of scanning an ``m x m`` table, and the
+rounds stop as soon as one more size stops paying (the least padding is convex in the number of sizes). A
+trace of 8192 distinct counts tunes in about a second. Past :data:`MAX_EXACT_COUNTS` distinct counts, counts
+are first rounded up to a common step and the result is no longer exact.
+
+A bound on the sum of the sizes (graph memory that grows with each graph's size) is met with a price per unit
+of size: the programme is solved at the price where the best solutions above and below the bound tie, which
+walks the lower convex hull of (sum of sizes, padding) to the bound in a few solves, then a local search moves
+single sizes.
 
 Graph memory: in one shared pool captured largest first, the largest graph holds the pool's peak and each
 further graph adds about the same (its own outputs and bookkeeping), so a memory budget is a number of
@@ -17,11 +27,12 @@ graphs: :func:`graphs_for_bytes` turns bytes into graphs with the per-key bytes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +41,11 @@ import torch
 from devgraph.contract.keys import REQUESTS, TOKENS, bucket_index
 from devgraph.contract.phases import Phase
 from devgraph.errors import ConfigError
-from devgraph.flag.config import DeviceGraphConfig
+from devgraph.flag.config import FLAG, DeviceGraphConfig
+from devgraph.flag.jsonfile import read_json_file
 from devgraph.flag.sizes import MAX_SIZE_COUNT, resolve_sizes
-from devgraph.flag.trace import PhaseSteps
+from devgraph.flag.trace import TRACE_FORMAT, PhaseSteps
+from devgraph.messages import shorten
 
 __all__ = [
     "MAX_EXACT_COUNTS",
@@ -42,13 +55,15 @@ __all__ = [
     "graphs_for_bytes",
     "optimal_sizes",
     "padding_of",
+    "read_tuned",
     "tune_phase",
     "tuned_flag",
 ]
 
-#: Distinct counts the dynamic programme handles exactly (its tables are ``m x m`` int64: 128 MiB at 4096).
-MAX_EXACT_COUNTS = 4096
-_INF = 1e300  # "impossible" in the float64 tables (padding sums stay exact below 2**53)
+#: Distinct counts the dynamic programme handles exactly (beyond: rounded up to a common step first).
+MAX_EXACT_COUNTS = 1 << 14
+#: Solves of the priced programme while walking to a size-sum bound (a few suffice; this only caps it).
+_MAX_PRICE_SOLVES = 64
 
 
 def padding_of(histogram: Mapping[int, int], sizes: Sequence[int]) -> tuple[int, int]:
@@ -91,37 +106,83 @@ def _candidates(histogram: Mapping[int, int], top: int | None) -> dict[int, int]
     return weights
 
 
-def _solve(weights: Mapping[int, int], graphs: int, price: float = 0.0) -> tuple[int, ...]:
-    """At most ``graphs`` sizes among ``weights``' counts, the largest one last, minimising the padded rows
-    plus ``price`` per unit of size (a Lagrange price on the sum of the sizes; 0: padding alone)."""
-    values = sorted(weights)
-    m = len(values)
+class _Counts:
+    """The candidate sizes ``v`` (ascending) with prefix sums of their steps ``S`` and rows ``R``: the padding
+    of counts ``a..j`` into a size at ``v[j]`` is ``v[j] * (S[j+1] - S[a]) - (R[j+1] - R[a])``."""
+
+    def __init__(self, weights: Mapping[int, int]) -> None:
+        self.values = sorted(weights)
+        self.v = torch.tensor(self.values, dtype=torch.float64)
+        steps = torch.tensor([weights[x] for x in self.values], dtype=torch.float64)
+        zero = torch.zeros(1, dtype=torch.float64)
+        self.steps_upto = torch.cat((zero, torch.cumsum(steps, 0)))  # S[j]: steps of counts 0..j-1
+        self.rows_upto = torch.cat((zero, torch.cumsum(steps * self.v, 0)))  # R[j]: their rows
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def _monotone_minima(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every ``j``: the least ``a[i] - x[j] * b[i]`` over ``i < j`` (``inf`` at ``j = 0``) and the first
+    ``i`` reaching it. ``x`` ascending and ``b`` non-decreasing make the matrix totally monotone (the best
+    ``i`` never decreases with ``j``), so divide and conquer finds every minimum, one tensor pass per level:
+    each level's middle rows are searched only between their neighbours' answers."""
+    m = a.numel()
+    best = torch.full((m,), math.inf, dtype=torch.float64)
+    where = torch.zeros(m, dtype=torch.int64)
+    if m < 2:
+        return best, where
+    # Pending row ranges [j_lo, j_hi] and the column range [i_lo, i_hi] their answers lie in.
+    j_lo, j_hi = torch.tensor([1]), torch.tensor([m - 1])
+    i_lo, i_hi = torch.tensor([0]), torch.tensor([m - 2])
+    while j_lo.numel():
+        mid = (j_lo + j_hi) // 2
+        lengths = torch.minimum(i_hi, mid - 1) - i_lo + 1  # >= 1: i_lo < j_lo <= mid
+        ranges = mid.numel()
+        owner = torch.repeat_interleave(torch.arange(ranges), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        i = i_lo[owner] + torch.arange(owner.numel()) - starts[owner]
+        value = a[i] - x[mid][owner] * b[i]
+        low = torch.full((ranges,), math.inf, dtype=torch.float64).scatter_reduce(0, owner, value, "amin")
+        first = torch.where(value == low[owner], i, m)
+        at = torch.full((ranges,), m, dtype=torch.int64).scatter_reduce(0, owner, first, "amin")
+        best[mid], where[mid] = low, at
+        left, right = j_lo < mid, mid < j_hi
+        j_lo, j_hi, i_lo, i_hi = (
+            torch.cat((j_lo[left], mid[right] + 1)),
+            torch.cat((mid[left] - 1, j_hi[right])),
+            torch.cat((i_lo[left], at[right])),
+            torch.cat((at[left], i_hi[right])),
+        )
+    return best, where
+
+
+def _solve(counts: _Counts, graphs: int, price: float = 0.0) -> tuple[int, ...]:
+    """At most ``graphs`` sizes among the candidates, the largest one last, minimising the padded rows plus
+    ``price`` per unit of size (a Lagrange price on the sum of the sizes; 0: padding alone)."""
+    m = len(counts)
     if graphs >= m and price == 0.0:
-        return tuple(values)
-    v = torch.tensor(values, dtype=torch.float64)
-    h = torch.tensor([weights[x] for x in values], dtype=torch.float64)
-    zero = torch.zeros(1, dtype=torch.float64)
-    steps_upto = torch.cat((zero, torch.cumsum(h, 0)))  # steps of counts 0..j-1
-    rows_upto = torch.cat((zero, torch.cumsum(h * v, 0)))  # rows of counts 0..j-1
-    i = torch.arange(m)[:, None]
-    j = torch.arange(m)[None, :]
-    # cost[i, j]: padding of counts i..j into a size at values[j], plus its price (impossible when i > j).
-    cost = v[None, :] * (steps_upto[j + 1] - steps_upto[i]) - (rows_upto[j + 1] - rows_upto[i]) + price * v
-    cost = torch.where(i <= j, cost, torch.full_like(cost, _INF))
-    best = cost[0].clone()  # one size: it covers counts 0..j
+        return tuple(counts.values)
+    v, steps_upto, rows_upto = counts.v, counts.steps_upto, counts.rows_upto
+    # One more size at j covering counts i+1..j, after a best solution ending at i:
+    #   best[i] + v[j] * (S[j+1] - S[i+1]) - (R[j+1] - R[i+1]) + price * v[j]
+    #   = own[j] + (best[i] + R[i+1]) - v[j] * S[i+1]
+    own = v * steps_upto[1:] - rows_upto[1:] + price * v
+    best = own.clone()  # one size: it covers counts 0..j
     totals, choices = [float(best[-1])], []
     for _ in range(min(graphs, m) - 1):
-        table = best[:-1, None] + cost[1:, :]  # previous size at i, this one covers i+1..j
-        new, where = table.min(dim=0)
-        best = torch.cat((torch.full((1,), _INF, dtype=torch.float64), new[1:])).clamp_(max=_INF)
-        choices.append(torch.cat((torch.zeros(1, dtype=torch.int64), where[1:])))
+        inner, where = _monotone_minima(best + rows_upto[1:], steps_upto[1:], v)
+        best = own + inner
+        choices.append(where)
         totals.append(float(best[-1]))
+        if totals[-1] >= totals[-2]:  # convex in the number of sizes: no further size pays either
+            break
     count = min(range(len(totals)), key=lambda k: (totals[k], k)) + 1  # the fewest sizes among the best
     ends, at = [m - 1], m - 1
     for where in reversed(choices[: count - 1]):
         at = int(where[at])
         ends.append(at)
-    return tuple(values[e] for e in sorted(set(ends)))
+    return tuple(counts.values[e] for e in sorted(set(ends)))
 
 
 def optimal_sizes(
@@ -131,33 +192,64 @@ def optimal_sizes(
     padded rows; the largest is ``top`` when given (it must hold the largest count), else the largest count.
 
     ``size_sum`` also bounds the sum of the sizes (graph memory that grows with each graph's size, as a
-    forward's outputs kept per key do): the sizes are then the best the dynamic programme finds with a price
-    per unit of size, the price found by bisection (the least padding among the prices tried whose sizes
-    fit; exact for the budgets those prices reach).
+    forward's outputs kept per key do): the sizes are then the best of the programme with a price per unit of
+    size, at the price where the best solutions above and below the bound tie (the lower convex hull of
+    sum and padding, walked to the bound), improved by a local search; exact when the bound falls on the hull.
     """
     if isinstance(graphs, bool) or not isinstance(graphs, int) or not 1 <= graphs <= MAX_SIZE_COUNT:
         raise ConfigError(
             f"the number of graphs must be an integer from 1 to {MAX_SIZE_COUNT}, got {graphs!r}"
         )
     weights = _candidates(histogram, top)
-    chosen = _solve(weights, graphs)
-    if size_sum is None or sum(chosen) <= size_sum:
-        return chosen
     largest = max(weights)
-    if size_sum < largest:
+    if size_sum is not None and size_sum < largest:
         raise ConfigError(f"a size budget of {size_sum} is below the largest size {largest}")
-    low, high = 0.0, float(sum(weights.values()) * largest + 1)
-    fit: tuple[int, ...] = (largest,)
-    for _ in range(40):
-        price = (low + high) / 2
-        sizes = _solve(weights, graphs, price)
-        if sum(sizes) <= size_sum:
-            high = price
-            if padding_of(weights, sizes)[0] < padding_of(weights, fit)[0]:
-                fit = sizes
+    with _one_thread():
+        counts = _Counts(weights)
+        chosen = _solve(counts, graphs)
+        if size_sum is None or sum(chosen) <= size_sum:
+            return chosen
+        chosen = _within_sum(weights, counts, graphs, size_sum, chosen)
+    return _improve(weights, chosen, graphs, size_sum)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The programme's tensors are small (a few thousand elements an operation): one thread is fastest, and
+    a second one waiting on a busy core made each operation 60 times slower on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _within_sum(
+    weights: Mapping[int, int], counts: _Counts, graphs: int, size_sum: int, over: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The hull solution with the largest sum of sizes within ``size_sum``: from ``over`` (too large a sum)
+    and the largest size alone (the smallest sum), solve at the price where the two tie; a solution better
+    than both at that price is a hull point between them and replaces the one on its side of the bound."""
+
+    def point(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
+        return sizes, padding_of(weights, sizes)[0], sum(sizes)
+
+    above, below = point(over), point((max(weights),))
+    for _ in range(_MAX_PRICE_SOLVES):
+        price = (below[1] - above[1]) / (above[2] - below[2])  # padding saved per unit of size
+        found = point(_solve(counts, graphs, price))
+        tie = below[1] + price * below[2]
+        if found[0] in (above[0], below[0]) or found[1] + price * found[2] >= tie - 1e-9 * max(1.0, tie):
+            break
+        if found[2] <= size_sum:
+            below = found
         else:
-            low = price
-    return _improve(weights, fit, graphs, size_sum)
+            above = found
+    return below[0]
 
 
 #: Rounds of the local search after the priced programme (each tries every move of one size).
@@ -326,20 +418,53 @@ def tuned_flag(tunings: Sequence[PhaseTuning]) -> dict[str, dict[str, object]]:
     return flag
 
 
-def apply_tuned(config: DeviceGraphConfig, tuned: str | Path | DeviceGraphConfig) -> DeviceGraphConfig:
-    """``config`` with the ``sizes`` (and ``axes``) of a tuned file (``devgraph tune --out``) put in; its
-    other keys (the mode, ``max_size``, the compiler...) stay as ``config`` has them."""
-    if not isinstance(tuned, DeviceGraphConfig):
-        path = Path(tuned)
-        try:
-            text = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read tuned sizes from {path}: {exc.strerror or exc}") from None
-        if not text.startswith("{"):
+def read_tuned(path: str | Path) -> DeviceGraphConfig:
+    """The sizes of a tuned-sizes file (what ``devgraph tune --out`` writes: ``{"decode": {"sizes": [...]},
+    ...}``, ``axes`` beside ``sizes`` where tuned); :class:`ConfigError` naming the file and what is wrong,
+    including the likely mix-up: a recorded-steps trace given where its tuned sizes belong."""
+    example = '{"decode": {"sizes": [1, 4, 16]}, "prefill": {"sizes": [64, 512]}}'
+    expected = f"expected the JSON object devgraph tune --out writes, such as {example}"
+    try:
+        data = read_json_file(path, "tuned sizes")
+    except ConfigError as exc:
+        problem = str(exc)
+        if not problem.startswith(f"{path}: "):  # unreadable: the reader's words
+            raise
+        raise ConfigError(
+            f"{path} is not a tuned-sizes file ({problem.removeprefix(f'{path}: ')}): {expected}"
+        ) from None
+    if isinstance(data, Mapping) and (data.get("format") == TRACE_FORMAT or "recorded" in data):
+        raise ConfigError(
+            f"{path} holds recorded steps, not tuned sizes: run devgraph tune {path} --out tuned.json, then "
+            "pass tuned.json"
+        )
+    if not isinstance(data, Mapping) or not data:
+        raise ConfigError(f"{path} is not a tuned-sizes file: {expected}; got {shorten(data)}")
+    for phase, settings in data.items():
+        if not isinstance(settings, Mapping) or "sizes" not in settings:
             raise ConfigError(
-                f"{path} is not a tuned-sizes file: expected the JSON object devgraph tune writes"
+                f"{path}: phase {shorten(phase)} must hold an object with 'sizes' (and 'axes' where tuned), "
+                f"as devgraph tune --out writes; got {shorten(settings)}"
             )
-        tuned = DeviceGraphConfig.parse(text)
+        extra = sorted(set(settings) - {"sizes", "axes"})
+        if extra:
+            raise ConfigError(
+                f"{path}: phase {shorten(phase)} sets {', '.join(map(str, extra))}; a tuned-sizes file holds "
+                "only sizes (and axes): give the rest with --device-graph-mode"
+            )
+    text = json.dumps(data)
+    try:
+        return DeviceGraphConfig.parse(text)
+    except ConfigError as exc:  # the flag's own words about a value, said of this file
+        raise ConfigError(f"{path}: {str(exc).removeprefix(f'{FLAG} {shorten(text)}: ')}") from None
+
+
+def apply_tuned(config: DeviceGraphConfig, tuned: str | Path | DeviceGraphConfig) -> DeviceGraphConfig:
+    """``config`` with the ``sizes`` (and ``axes``) of a tuned file (``devgraph tune --out``,
+    :func:`read_tuned`) put in; its other keys (the mode, ``max_size``, the compiler...) stay as ``config``
+    has them."""
+    if not isinstance(tuned, DeviceGraphConfig):
+        tuned = read_tuned(tuned)
     phases = dict(config.phases)
     for phase, settings in tuned.phases.items():
         if settings.sizes is None:

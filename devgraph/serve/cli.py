@@ -12,12 +12,13 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from devgraph.console import OneLineParser, run_command
+from devgraph.console import OneLineParser, parse_command_line, run_command
 from devgraph.extras import require_extra
 from devgraph.flag.config import add_device_graph_args
 from devgraph.flag.tuning import apply_tuned
 from devgraph.messages import shorten
 from devgraph.reference.config import ATTENTION_MODES, PRESET_NAMES
+from devgraph.serve.checkpoint.template_render import RenderLimits
 
 __all__ = [
     "add_bench_serve_parser",
@@ -144,6 +145,20 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="capture sizes from devgraph tune --out, put into --device-graph-mode (docs/user-guide.md)",
     )
     parser.add_argument(
+        "--record-steps",
+        default=None,
+        metavar="PATH",
+        help="record the traffic's steps for devgraph tune: a trace written to PATH every --record-interval "
+        "seconds and at shutdown (docs/serving.md)",
+    )
+    parser.add_argument(
+        "--record-interval",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="seconds between two writes of --record-steps (default 60)",
+    )
+    parser.add_argument(
         "--model",
         default=None,
         metavar="DIR|PRESET",
@@ -161,6 +176,20 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="a Jinja chat template replacing the checkpoint's own (for /v1/chat/completions)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
+        "off by default: a template is code, and only the server's own is rendered",
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=_positive_float,
+        default=RenderLimits.seconds,
+        metavar="SECONDS",
+        help="seconds one chat-template render may take before its worker process is stopped and the "
+        f"request gets 400 (default {RenderLimits.seconds:g})",
     )
     parser.add_argument(
         "--dtype",
@@ -332,6 +361,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "tuned", None):
         args.device_graph_mode = apply_tuned(args.device_graph_mode, args.tuned)
+    if getattr(args, "record_steps", None):
+        from devgraph.serve.api.recording import check_record_path
+
+        check_record_path(args.record_steps)
     return serve(args)
 
 
@@ -359,5 +392,7 @@ def serve_main(argv: Sequence[str]) -> int:
     ``devgraph bench serve [flags]``."""
     parser = OneLineParser(prog="devgraph")
     add_serve_commands(parser.add_subparsers(dest="command", parser_class=OneLineParser))
-    args = parser.parse_args(["bench", "serve", *argv[1:]] if argv[:1] == ["bench"] else ["serve", *argv])
+    args = parse_command_line(
+        parser, ["bench", "serve", *argv[1:]] if argv[:1] == ["bench"] else ["serve", *argv]
+    )
     return run_command(args.command_parser.prog, lambda: args.run(args))

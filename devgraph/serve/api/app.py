@@ -6,7 +6,9 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or ser
 with ``--enable-sleep-mode``, ``POST /sleep`` (``?level=1``), ``POST /wake_up`` and ``GET /is_sleeping``.
 Handlers never block the event loop: the engine steps in its own thread
 (:class:`~devgraph.serve.engine.EngineLoop`) and hands tokens back through ``call_soon_threadsafe``;
-reading the engine's stats waits for the current step, so it runs in an executor thread. How one
+reading the engine's stats waits for the current step, so it runs in an executor thread; so does reading a
+chat request, whose template renders in a worker process (``checkpoint/template_render.py``) for up to its
+time budget: one request's template never stalls the others, ``/health`` or a SIGTERM. How one
 generation request runs is in ``generate.py``; what each route takes, in ``completions.py`` and
 ``chat.py``.
 
@@ -22,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +41,7 @@ from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import ApiError, ModelCard, error_body, model_list, model_object
 from devgraph.serve.api.structured import attach_grammar
 from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
+from devgraph.serve.checkpoint.template_render import RendererBusy
 from devgraph.serve.checkpoint.text import Tokenizer
 from devgraph.serve.engine.loop import EngineLoop
 from devgraph.serve.structured.compiler import GrammarCompiler
@@ -81,10 +85,19 @@ class ServerState:
             )
         return self.grammars
 
+    #: Threads that read chat requests: each may wait on a template render (threads start on demand).
+    chat_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(CHAT_THREADS, thread_name_prefix="devgraph-chat")
+    )
+
     def card(self) -> ModelCard:
         config = self.engine.engine.model_config
         return ModelCard(self.model_name, config.vocab_size, config.max_seq_len, self.root, self.created)
 
+
+#: Chat requests read at once (more wait for a thread); past the render workers, each waits for one of
+#: them for at most a render's budget, then gets 503.
+CHAT_THREADS = 32
 
 # aiohttp >= 3.9 types application keys; older versions take a plain string.
 STATE: Any = (
@@ -275,25 +288,32 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, _parse_chat)
+    return await _generation(request, _parse_chat, off_loop=True)
 
 
-async def _generation(request: web.Request, parse: Parser) -> web.StreamResponse:
+async def _generation(request: web.Request, parse: Parser, *, off_loop: bool = False) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
         return _error(ApiError(503, "the server is shutting down", kind="unavailable"))
     if state.sleep_mode and state.engine.is_sleeping:
         return _asleep_error()
     try:
-        generation, shape = parse(await _read(request, state), state)
+        body = await _read(request, state)
+        if off_loop:  # a chat template renders for up to its budget: not on the event loop
+            loop = asyncio.get_running_loop()
+            generation, shape = await loop.run_in_executor(state.chat_threads, parse, body, state)
+        else:
+            generation, shape = parse(body, state)
         if generation.grammar is not None:  # compiled off the event loop, bounded, cached
             generation = await attach_grammar(state.grammar_compiler(), generation)
         if state.engine.in_flight() >= state.max_queued:
             raise ApiError(429, f"{state.max_queued} requests are in flight; retry later", kind="overloaded")
     except ApiError as exc:
         return _error(exc)
-    except InputError as exc:  # a chat template that refuses the messages
-        return _error(ApiError(400, str(exc), param="messages"))
+    except InputError as exc:  # a chat template that refuses the messages, text that is not Unicode
+        return _error(ApiError(400, str(exc), param="messages" if off_loop else "prompt"))
+    except RendererBusy as exc:
+        return _error(ApiError(503, str(exc), kind="unavailable"))
     except Exception:  # a body the checks above missed: a bug, but the client still gets JSON
         logger.exception("checking a %s request failed", request.path)
         return _error(ApiError(500, "the server failed to read this request; see its log"))

@@ -6,9 +6,10 @@ system, developer, user, assistant or tool and a ``content`` that is a string or
 ``max_completion_tokens`` / ``max_tokens`` (default: the rest of the context), ``logprobs`` (true/false)
 and ``top_logprobs`` (0 to 20, with ``logprobs``), and the template's own knobs as vLLM takes them:
 ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}`` for Qwen3), ``add_generation_prompt``
-(default true) and ``continue_final_message``; ``tools``, ``tool_choice`` and ``parallel_tool_calls``
-(``tools.py``), assistant ``tool_calls`` and ``tool`` messages in history; the structured-output fields
-(``structured.py``). Images and audio are refused.
+(default true) and ``continue_final_message``; ``chat_template`` (a template of the request's own) only where
+the server runs with ``--trust-request-chat-template``; ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (``tools.py``), assistant ``tool_calls`` and ``tool`` messages in history; the
+structured-output fields (``structured.py``). Images and audio are refused.
 
 A streamed answer opens with a chunk holding ``{"role": "assistant", "content": ""}``, then one chunk per
 step with the new text; with ``stream_options.include_usage`` a last chunk has ``choices: []`` and the
@@ -49,6 +50,7 @@ FIELDS = COMMON_FIELDS | {
     "logprobs",
     "top_logprobs",
     "chat_template_kwargs",
+    "chat_template",
     "add_generation_prompt",
     "continue_final_message",
     *STRUCTURED_FIELDS,
@@ -81,6 +83,8 @@ def parse_chat(
             f"chat_template_kwargs must be an object, got {shorten(kwargs)}",
             param="chat_template_kwargs",
         )
+    if "chat_template" in body:  # the tokenizer refuses it unless the server trusts request templates
+        kwargs = {**kwargs, "chat_template": body["chat_template"]}
     continue_final = as_bool(body, "continue_final_message", False)
     add_prompt = as_bool(body, "add_generation_prompt", not continue_final)
     if continue_final and add_prompt:
@@ -90,8 +94,6 @@ def parse_chat(
             param="add_generation_prompt",
         )
     calling = parse_tools(body, _template_text(tokenizer))
-    if calling is not None:  # the template's own `tools` variable renders them
-        kwargs = {**kwargs, "tools": calling.tools}
     grammar = parse_structured(body)
     if calling is not None and calling.grammar is not None:
         if grammar is not None:
@@ -104,6 +106,7 @@ def parse_chat(
         add_generation_prompt=add_prompt,
         continue_final_message=continue_final,
         template_kwargs=kwargs,
+        tools=None if calling is None else calling.tools,  # the template's own `tools` variable renders them
     )
     top = _top_logprobs(body)
     stream = as_bool(body, "stream", False)

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from devgraph.errors import ConfigError
 from devgraph.extras import install_hint
 from devgraph.serve.api.metrics import ServeMetrics, prometheus_available
+from devgraph.serve.api.recording import TrafficRecorder
 from devgraph.serve.api.startup import Startup, build_engine, open_source
 from devgraph.serve.api.stats_log import ThroughputLog
 from devgraph.serve.api.timeline import StepTimeline
@@ -81,6 +83,16 @@ def _start_world(args: argparse.Namespace) -> Any:
 
 def _serve(args: argparse.Namespace, began: float, startup: Startup, world: Any) -> int:
     source = open_source(args, startup)
+    source.tokenizer.start()  # the chat-template workers start while the weights load
+    try:
+        return _serve_model(args, began, startup, world, source)
+    finally:
+        source.tokenizer.close()
+
+
+def _serve_model(
+    args: argparse.Namespace, began: float, startup: Startup, world: Any, source: ModelSource
+) -> int:
     if world is None:
         engine = build_engine(args, source, startup)
     else:
@@ -98,6 +110,7 @@ def _serve(args: argparse.Namespace, began: float, startup: Startup, world: Any)
     startup.times["warm_up_s"] = time.perf_counter() - start
     logger.info("warm-up requests served in %.1f s", startup.times["warm_up_s"])
     timeline = StepTimeline.from_environment(engine)  # DEVGRAPH_STEP_TIMELINE: the serving benchmarks
+    recorder = _recorder(args, engine)
     model_name = args.served_model_name or source.name
     loop = EngineLoop(engine)
     if world is not None:  # a lost rank: answer every request with an error, then stop (exit code 1)
@@ -120,16 +133,31 @@ def _serve(args: argparse.Namespace, began: float, startup: Startup, world: Any)
         )
     startup.times["ready_s"] = time.perf_counter() - began
     try:
-        code = asyncio.run(_run(args, loop, _state(args, loop, source, model_name, metrics, startup)))
+        state = _state(args, loop, source, model_name, metrics, startup)
+        code = asyncio.run(_run(args, loop, state, recorder))
     finally:
         loop.shutdown(0.0)
         if timeline is not None and (world is None or world.failure is None):
             timeline.save()
+        if recorder is not None:
+            recorder.write()  # the last steps, after the drain
         engine.close()
     if world is not None and world.failure is not None:
         print(f"devgraph serve --tp: {world.failure}; exiting (code 1)", file=sys.stderr, flush=True)
         return 1
     return code
+
+
+def _recorder(args: argparse.Namespace, engine: Any) -> TrafficRecorder | None:
+    """``--record-steps``: both runners record from here on (after the warm-up)."""
+    path = getattr(args, "record_steps", None)
+    if not path:
+        return None
+    recorder = TrafficRecorder(
+        Path(path), [engine.decode_runner, engine.prefill_runner], args.record_interval
+    )
+    recorder.start()
+    return recorder
 
 
 def _lost(loop: EngineLoop, message: str) -> None:
@@ -163,7 +191,9 @@ def _state(
     )
 
 
-async def _run(args: argparse.Namespace, engine: EngineLoop, state: Any) -> int:
+async def _run(
+    args: argparse.Namespace, engine: EngineLoop, state: Any, recorder: TrafficRecorder | None = None
+) -> int:
     from aiohttp import web
 
     from devgraph.serve.api.app import build_app
@@ -198,16 +228,19 @@ async def _run(args: argparse.Namespace, engine: EngineLoop, state: Any) -> int:
         loop.add_signal_handler(signum, stop.set)
     interval = getattr(args, "log_stats_interval", 0.0)
     stats_log = asyncio.ensure_future(ThroughputLog(engine.stats, interval).run()) if interval > 0 else None
+    recording = asyncio.ensure_future(recorder.run()) if recorder is not None else None
     print(
         f"devgraph serve: model {state.model_name!r} listening on {listen_url(args.host, port)}", flush=True
     )
     await stop.wait()
-    if stats_log is not None:
-        stats_log.cancel()
+    for task in (stats_log, recording):
+        if task is not None:
+            task.cancel()
     print("devgraph serve: shutting down", file=sys.stderr, flush=True)
     state.draining = True
     await loop.run_in_executor(None, engine.shutdown, args.drain_timeout)
     await runner.cleanup()
+    state.chat_threads.shutdown(wait=False, cancel_futures=True)
     return 0
 
 

@@ -16,6 +16,7 @@ logged at INFO), so a log shows where start-up is and where its seconds went:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from devgraph.flag.factory import resolve_platform, usable_platform
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.serve.checkpoint.source import ModelSource, open_model
+from devgraph.serve.checkpoint.template_render import RenderLimits
 from devgraph.serve.engine.config import EngineConfig
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.sizing import KvSizing, kv_blocks_for_memory
@@ -92,7 +94,12 @@ def open_source(args: argparse.Namespace, startup: Startup | None = None) -> Mod
     """The model ``--model`` (or ``--preset``) names, read but not built; timed as ``model_read_s``."""
     start = time.perf_counter()
     template = getattr(args, "chat_template", None)
-    source = open_model(_model_value(args, _device(args)), Path(template) if template else None)
+    source = open_model(
+        _model_value(args, _device(args)),
+        Path(template) if template else None,
+        trust_request_template=getattr(args, "trust_request_chat_template", False),
+        render_limits=RenderLimits(seconds=getattr(args, "chat_template_timeout", RenderLimits.seconds)),
+    )
     if startup is not None:
         startup.times["model_read_s"] = time.perf_counter() - start
     return source
@@ -204,7 +211,36 @@ def build_engine(
         logger.info("%d graphs to capture in the background, one key between two steps", capture.total)
     startup.times["graphs_s"] = time.perf_counter() - start
     logger.info("graphs %s in %.1f s", "set up" if background else "ready", startup.times["graphs_s"])
+    _log_added_sizes(engine, graphs)
     return engine
+
+
+#: The flag that sets each phase's largest step (the size its runner always captures).
+_LARGEST_STEP = {"decode": "--max-running-requests", "prefill": "--token-budget"}
+
+
+def _log_added_sizes(engine: Engine, graphs: DeviceGraphConfig) -> None:
+    """Say which sizes the runners capture beyond the flag's own (``--tuned``, or ``sizes`` in
+    ``--device-graph-mode``): the engine's largest step always gets a graph, so no step of the engine's
+    own size runs eagerly; that is one graph more than the file asked for, and is said, not silent."""
+    for phase, runner in (("decode", engine.decode_runner), ("prefill", engine.prefill_runner)):
+        asked = graphs.for_phase(phase).sizes
+        if asked is None:
+            continue
+        captured = list(runner.schedule.token_sizes)
+        added = sorted(set(captured) - set(asked))
+        if added:
+            logger.info(
+                "%s graphs: %s besides the sizes asked for (%s): the engine's largest %s step (%s %d) always "
+                "gets a graph; capturing %s",
+                phase,
+                added,
+                list(asked),
+                phase,
+                _LARGEST_STEP[phase],
+                max(captured),
+                captured,
+            )
 
 
 def memory_info(device: torch.device) -> tuple[int, int]:
@@ -218,7 +254,10 @@ def memory_info(device: torch.device) -> tuple[int, int]:
 
 def size_kv_cache(engine: Engine, utilization: float, startup: Startup) -> KvSizing:
     """``--gpu-memory-utilization``: estimate both runners' graph memory (before capture), then allocate
-    the KV cache with what is left of ``utilization`` of the device's memory."""
+    the KV cache with what is left of ``utilization`` of the device's memory, but never more blocks than the
+    running requests can fill (``1 + --max-running-requests x`` the blocks of a full context: the engine has
+    no prefix cache, so a block past those is never written). On the CPU the memory is the host's RAM: a
+    0.4 MiB model would otherwise get gigabytes of cache; the log line says which memory it was."""
     start = time.perf_counter()
     estimates = [r.estimate_graph_memory() for r in (engine.decode_runner, engine.prefill_runner)]
     graph_bytes = sum(e.total_bytes for e in estimates)
@@ -237,18 +276,27 @@ def size_kv_cache(engine: Engine, utilization: float, startup: Startup) -> KvSiz
         block_bytes=stand_in // config.total_blocks,
         min_blocks=config.total_blocks,
     )
+    affordable = sizing.num_blocks
+    fillable = 1 + engine.config.max_running_requests * config.max_blocks_per_request
+    sizing = dataclasses.replace(sizing, num_blocks=min(affordable, fillable))
     engine.resize_kv_cache(sizing.num_blocks)
     startup.times["graph_estimate_s"] = time.perf_counter() - start
+    memory = (
+        "the host's RAM (the CPU has no memory of its own)" if device.type == "cpu" else f"{device}'s memory"
+    )
     startup.kv_sizing = {
         "utilization": utilization,
+        "memory": "host" if device.type == "cpu" else "device",
         "graph_bytes_estimated": graph_bytes,
         "kv_cache_bytes": sizing.kv_cache_bytes,
         "num_blocks": sizing.num_blocks,
+        "num_blocks_affordable": affordable,
     }
     logger.info(
-        "KV cache sized for --gpu-memory-utilization %g: %d blocks, %.1f MiB (graphs estimated at %.1f MiB "
-        "before capture, %.1f MiB in use, %.1f MiB total) in %.1f s",
+        "KV cache sized for --gpu-memory-utilization %g of %s: %d blocks, %.1f MiB (graphs estimated at "
+        "%.1f MiB before capture, %.1f MiB in use, %.1f MiB total) in %.1f s",
         utilization,
+        memory,
         sizing.num_blocks,
         sizing.kv_cache_bytes / MiB,
         graph_bytes / MiB,
@@ -256,6 +304,16 @@ def size_kv_cache(engine: Engine, utilization: float, startup: Startup) -> KvSiz
         total / MiB,
         startup.times["graph_estimate_s"],
     )
+    if fillable < affordable:
+        logger.info(
+            "the share affords %d blocks (%.1f MiB); %d hold every running request at full context "
+            "(--max-running-requests %d x %d tokens), so only those are allocated and the rest stays free",
+            affordable,
+            affordable * sizing.block_bytes / MiB,
+            fillable,
+            engine.config.max_running_requests,
+            config.max_seq_len,
+        )
     return sizing
 
 

@@ -4,7 +4,8 @@
 reference model's terms, or refused with every reason), ``weights.py`` (safetensors, lazily, into the
 fused reference weights), ``generation.py`` (stop ids and sampling defaults), ``text.py`` (the tokenizer
 interface), ``hf_tokenizer.py`` (the checkpoint's tokenizer and chat template through transformers, an
-optional package) and ``byte_tokenizer.py`` (the presets' bytes-as-tokens).
+optional package), ``template_render.py`` and ``template_worker.py`` (chat templates rendered bounded, in
+worker processes) and ``byte_tokenizer.py`` (the presets' bytes-as-tokens).
 """
 
 from devgraph.serve.checkpoint.source import DEFAULT_CHECKPOINT_CONTEXT, Built, ModelSource, open_model

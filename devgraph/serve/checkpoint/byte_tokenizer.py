@@ -17,7 +17,7 @@ import codecs
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from devgraph.serve.checkpoint.text import ChatTemplateError
+from devgraph.serve.checkpoint.text import ChatTemplateError, check_unicode
 
 __all__ = ["ByteTokenizer", "StreamDecoder"]
 
@@ -58,8 +58,14 @@ class ByteTokenizer:
     def has_chat_template(self) -> bool:
         return False
 
+    def start(self) -> None:  # nothing renders chats here
+        pass
+
+    def close(self) -> None:
+        pass
+
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(check_unicode(text, "the prompt").encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
         decoder = StreamDecoder()
@@ -83,6 +89,7 @@ class ByteTokenizer:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: Mapping[str, Any],
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         raise ChatTemplateError(
             "this server runs a random-weight preset, which has no chat template: use /v1/completions, "

@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from devgraph.errors import ConfigError
+from devgraph.flag.jsonfile import read_json_file
 from devgraph.messages import shorten
 from devgraph.serve.checkpoint.hf_config import token_ids
 
@@ -57,10 +57,7 @@ def read_generation_config(
     path = directory / "generation_config.json"
     raw: dict[str, Any] = {}
     if path.exists():
-        try:
-            loaded = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {path}: {shorten(str(exc), 200)}") from None
+        loaded = read_json_file(path, "a generation config")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path} must hold a JSON object, got {type(loaded).__name__}")
         raw = loaded

@@ -21,7 +21,6 @@ Both Hugging Face formats are read: transformers 5 (``rope_parameters``, ``dtype
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,8 @@ from typing import Any
 import torch
 
 from devgraph.errors import ConfigError
-from devgraph.messages import shorten
+from devgraph.flag.jsonfile import read_json_file
+from devgraph.messages import kind, shorten
 from devgraph.reference.config import parse_dtype
 from devgraph.reference.rope import RopeScaling
 
@@ -93,15 +93,12 @@ def read_checkpoint_config(directory: Path, weights_dtype: torch.dtype | None = 
     ``weights_dtype`` (the stored tensors' dtype) stands in when the config names no dtype or ``auto``.
     """
     path = directory / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not path.exists():
         raise ConfigError(
             f"{directory} has no config.json: give --model a Hugging Face checkpoint directory "
             "(config.json, *.safetensors, tokenizer files)"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {shorten(str(exc), 200)}") from None
+        )
+    raw = read_json_file(path, "a checkpoint's config")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return _Reader(raw, path, weights_dtype).read()
@@ -121,7 +118,7 @@ class _Reader:
         fields.update(
             qkv_bias=family == "qwen2",
             qk_norm=family == "qwen3",
-            tie_embeddings=bool(self.raw.get("tie_word_embeddings", False)),
+            tie_embeddings=self._bool("tie_word_embeddings"),
             dtype=self._dtype(),
         )
         self._features()
@@ -159,7 +156,11 @@ class _Reader:
     def _family(self) -> tuple[str, str]:
         model_type = self.raw.get("model_type")
         architectures = self.raw.get("architectures") or []
-        if model_type not in FAMILIES:
+        if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+            raise ConfigError(
+                f"{self.path}: architectures must be a list of class names, got {shorten(architectures)}"
+            )
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
             supported = ", ".join(f"{name} ({t})" for t, name in FAMILIES.items())
             named = ", ".join(map(str, architectures)) or "no architecture"
             raise ConfigError(
@@ -180,13 +181,27 @@ class _Reader:
     def _int(self, name: str, default: int | None = None) -> int:
         value = self.raw.get(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{self.path}: {name} must be a positive integer, got {shorten(value)}")
+            raise ConfigError(
+                f"{self.path}: {name} must be a positive integer, got {shorten(value)} ({kind(value)})"
+            )
+        return value
+
+    def _bool(self, name: str) -> bool:
+        """A true/false field: JSON true or false (or absent: false); a string such as "false" is refused,
+        where Python would read it as true."""
+        value = self.raw.get(name, False)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f"{self.path}: {name} must be true or false, got {shorten(value)} ({kind(value)})"
+            )
         return value
 
     def _shapes(self) -> dict[str, Any]:
         heads = self._int("num_attention_heads")
         hidden = self._int("hidden_size")
-        head_dim = self.raw.get("head_dim") or hidden // heads
+        head_dim = hidden // heads if self.raw.get("head_dim") is None else self._int("head_dim")
         eps = self.raw.get("rms_norm_eps", 1e-6)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ConfigError(f"{self.path}: rms_norm_eps must be a number > 0, got {shorten(eps)}")
@@ -218,11 +233,11 @@ class _Reader:
         act = self.raw.get("hidden_act", "silu")
         if act != "silu":
             self.problems.append(f"hidden_act {shorten(act)} (only silu)")
-        if self.raw.get("attention_bias"):
+        if self._bool("attention_bias"):
             self.problems.append(
                 "attention_bias (biases on q, k, v and o; only Qwen2's q, k and v biases are served)"
             )
-        if self.raw.get("mlp_bias"):
+        if self._bool("mlp_bias"):
             self.problems.append("mlp_bias (biases in the MLP)")
         tp = self.raw.get("pretraining_tp", 1)
         if tp not in (None, 1):  # transformers 5 no longer splits the matmuls: the math is the same
@@ -232,6 +247,13 @@ class _Reader:
         """The attention window some layer uses, or None."""
         window = self.raw.get("sliding_window")
         layer_types = self.raw.get("layer_types")
+        if layer_types is not None and (
+            not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+        ):
+            raise ConfigError(
+                f"{self.path}: layer_types must be a list of attention kinds, one per layer, got "
+                f"{shorten(layer_types)}"
+            )
         if isinstance(layer_types, list):
             unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
             if unknown:
@@ -240,7 +262,7 @@ class _Reader:
         elif family == "mistral":
             sliding = window is not None
         else:  # Qwen2/3 before layer_types: use_sliding_window switches it on
-            sliding = bool(self.raw.get("use_sliding_window"))
+            sliding = self._bool("use_sliding_window")
         if not sliding:
             return None
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:

@@ -1,11 +1,18 @@
 """A checkpoint's own tokenizer and chat template, through transformers' ``AutoTokenizer``.
 
 transformers is optional in the serving path (the ``serve`` extra does not pull it in): serving a
-checkpoint without it stops at start-up with one line naming the extra to install.
+checkpoint without it stops at start-up with one line naming the extra to install. A tokenizer that does
+not load names the file at fault (a tokenizer file that is not JSON, a config.json field transformers'
+checks refuse); a directory without tokenizer files, from which transformers 5.24 builds an empty
+tokenizer instead of failing, is refused too.
 
 * Completion prompts are encoded with the tokenizer's special tokens (BOS where the tokenizer adds it),
   chat prompts are rendered by the chat template and encoded without them (the template writes its own),
-  as transformers' ``apply_chat_template(tokenize=True)`` does.
+  as transformers' ``apply_chat_template(tokenize=True)`` does. Text that is not valid Unicode (a lone
+  surrogate from a JSON ``\\ud800`` escape) is an :class:`InputError` (400), not a tokenizer crash.
+* Chat templates render in worker processes, bounded (:mod:`template_render`). A template from the request
+  (``chat_template``) is refused unless the server trusts them (``--trust-request-chat-template``);
+  ``chat_template_kwargs`` are the template's variables and may not set the renderer's own arguments.
 * Output text skips special tokens and is decoded incrementally: each new token's text is the difference
   between decoding a short window with it and without it, the window starting in the prompt's tail, so a
   SentencePiece word's leading space appears where it belongs and a character split across tokens waits
@@ -20,8 +27,10 @@ from typing import Any
 
 from devgraph.errors import ConfigError
 from devgraph.extras import require_extra
+from devgraph.flag.jsonfile import read_json_file
 from devgraph.messages import shorten
-from devgraph.serve.checkpoint.text import ChatTemplateError
+from devgraph.serve.checkpoint.template_render import RenderLimits, TemplateRenderer
+from devgraph.serve.checkpoint.text import ChatTemplateError, check_unicode
 
 __all__ = ["HFTokenizer", "WindowDecoder"]
 
@@ -80,10 +89,19 @@ class WindowDecoder:
 class HFTokenizer:
     """``AutoTokenizer.from_pretrained(directory)`` behind the server's tokenizer interface.
 
-    ``chat_template``: a template that replaces the checkpoint's own (``--chat-template``).
+    ``chat_template``: a template that replaces the checkpoint's own (``--chat-template``);
+    ``trust_request_template``: render templates sent in requests (``--trust-request-chat-template``);
+    ``render_limits``: what one chat-template render may take.
     """
 
-    def __init__(self, directory: Path, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        chat_template: str | None = None,
+        *,
+        trust_request_template: bool = False,
+        render_limits: RenderLimits | None = None,
+    ) -> None:
         transformers = require_extra(
             "transformers", extra="transformers", needed_by="serving a checkpoint's tokenizer (--model DIR)"
         )
@@ -91,15 +109,20 @@ class HFTokenizer:
             self._tokenizer = transformers.AutoTokenizer.from_pretrained(
                 str(directory), local_files_only=True
             )
-        except Exception as exc:  # a missing or broken tokenizer file: say which directory and why
+        except Exception as exc:  # a missing or broken tokenizer file: say which file and why
+            raise ConfigError(_why_not_loaded(directory, exc, transformers)) from None
+        if not self._tokenizer.encode("hello world", add_special_tokens=False):
             raise ConfigError(
-                f"cannot load the tokenizer of {directory}: {shorten(str(exc), 300)}; a checkpoint directory "
-                "needs its tokenizer files (tokenizer.json and tokenizer_config.json)"
-            ) from None
+                f"{directory} has no usable tokenizer: transformers built an empty one "
+                f"({len(self._tokenizer)} tokens; text encodes to no ids): the directory holds none of its "
+                f"files ({', '.join(TOKENIZER_FILES)}); copy the model's tokenizer files into it"
+            )
         if chat_template is not None:
             self._tokenizer.chat_template = chat_template
         eos = self._tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
+        self.trust_request_template = trust_request_template
+        self.renderer = TemplateRenderer(render_limits)
 
     @property
     def transformers_tokenizer(self) -> Any:
@@ -116,7 +139,7 @@ class HFTokenizer:
         return bool(self._tokenizer.chat_template)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=True))
+        return list(self._tokenizer.encode(check_unicode(text, "the prompt"), add_special_tokens=True))
 
     def decode(self, ids: Iterable[int]) -> str:
         decoder = self.decoder()
@@ -146,6 +169,14 @@ class HFTokenizer:
                 return bytes(decoded)  # type: ignore[arg-type]
         return text.encode("utf-8")
 
+    def start(self) -> None:
+        """Start the chat-template workers ahead of the first chat request."""
+        if self.has_chat_template or self.trust_request_template:
+            self.renderer.start()
+
+    def close(self) -> None:
+        self.renderer.close()
+
     def chat_prompt(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -153,22 +184,93 @@ class HFTokenizer:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: Mapping[str, Any],
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        if not self.has_chat_template:
+        variables = dict(template_kwargs)
+        requested = variables.pop("chat_template", None)
+        _check_variables(variables)
+        if requested is not None and not self.trust_request_template:
+            raise ChatTemplateError(
+                "a chat template sent in the request (chat_template) is not rendered: this server renders "
+                "only its own; its operator can allow request templates with --trust-request-chat-template"
+            )
+        if requested is not None and (not isinstance(requested, str) or not requested.strip()):
+            raise ChatTemplateError(
+                f"chat_template must be the text of a Jinja template, got {shorten(requested)}"
+            )
+        if requested is None and not self.has_chat_template:
             raise ChatTemplateError(
                 "this model has no chat template (its tokenizer_config.json and chat_template.jinja name "
                 "none): use /v1/completions, or start the server with --chat-template FILE"
             )
-        try:
-            text = self._tokenizer.apply_chat_template(
-                list(messages),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **template_kwargs,
-            )
-        except Exception as exc:  # the template's own raise_exception(...) and rendering errors
-            raise ChatTemplateError(
-                f"the chat template refused the messages: {shorten(str(exc), 300)}"
-            ) from None
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        template = self._tokenizer.get_chat_template(requested)
+        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers
+        text = self.renderer.render(
+            template,
+            conversation,
+            {**self._tokenizer.special_tokens_map, **variables},
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+        )
+        return list(
+            self._tokenizer.encode(check_unicode(text, "the rendered chat"), add_special_tokens=False)
+        )
+
+
+#: Names ``chat_template_kwargs`` may not set: ``apply_chat_template``'s own arguments and what the renderer
+#: passes the template itself (vLLM filters the same class of keys out of chat_template_kwargs).
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "conversation", "conversations", "messages", "tools", "documents", "add_generation_prompt",
+        "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+        "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def _check_variables(variables: Mapping[str, Any]) -> None:
+    reserved = sorted(set(variables) & RESERVED_TEMPLATE_NAMES)
+    if reserved:
+        raise ChatTemplateError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: those are the renderer's own "
+            "arguments, not template variables (messages and the generation prompt have request fields)"
+        )
+    odd = [name for name in variables if not name.isidentifier()]
+    if odd:
+        raise ChatTemplateError(
+            f"chat_template_kwargs keys are template variable names; {shorten(odd[0])} is not one"
+        )
+
+
+#: Files a tokenizer is built from (one is enough): tokenizers' JSON, SentencePiece, BPE vocabularies.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tekken.json",
+)  # fmt: skip
+
+
+def _why_not_loaded(directory: Path, exc: Exception, transformers: Any) -> str:
+    """Which file stopped transformers loading the tokenizer, and what is wrong with it."""
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return (
+            f"{directory} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
+            "tokenizer files into it"
+        )
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+        path = directory / name
+        if path.is_file():
+            try:
+                read_json_file(path, "a tokenizer file")
+            except ConfigError as bad:
+                return str(bad)
+    try:  # transformers reads config.json too, with its own type checks on fields devgraph does not read
+        transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as config_exc:
+        return (
+            f"{directory / 'config.json'} does not pass transformers' checks (it reads it to load the "
+            f"tokenizer): {shorten(' '.join(str(config_exc).split()), 300)}"
+        )
+    return (
+        f"cannot load the tokenizer of {directory}: {shorten(' '.join(str(exc).split()), 300)}; a checkpoint "
+        "directory needs its tokenizer files (tokenizer.json and tokenizer_config.json)"
+    )

@@ -27,6 +27,7 @@ from devgraph.reference.model import ReferenceModel
 from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
 from devgraph.serve.checkpoint.generation import GenerationDefaults, read_generation_config
 from devgraph.serve.checkpoint.hf_config import CheckpointConfig, read_checkpoint_config
+from devgraph.serve.checkpoint.template_render import RenderLimits
 from devgraph.serve.checkpoint.text import Tokenizer
 from devgraph.serve.checkpoint.weights import WeightFiles, load_weights
 
@@ -123,9 +124,17 @@ def _tp_model(config: ReferenceConfig, group: Any, device: torch.device, seed: i
     return TPReferenceModel(config, group, device, seed, exact_weights=True, weights=weights)
 
 
-def open_model(value: str, chat_template: Path | None = None) -> ModelSource:
+def open_model(
+    value: str,
+    chat_template: Path | None = None,
+    *,
+    trust_request_template: bool = False,
+    render_limits: RenderLimits | None = None,
+) -> ModelSource:
     """The source ``--model`` names: a preset name, or a checkpoint directory (config, generation config
-    and tokenizer read; weights located, not loaded). :class:`ConfigError` for anything else."""
+    and tokenizer read; weights located, not loaded). :class:`ConfigError` for anything else, naming the
+    file at fault. ``trust_request_template``: chat templates sent in requests are rendered
+    (``--trust-request-chat-template``); ``render_limits``: what one render may take."""
     path = Path(value).expanduser()
     if value in PRESET_NAMES and not path.is_dir():
         if chat_template is not None:
@@ -144,7 +153,9 @@ def open_model(value: str, chat_template: Path | None = None) -> ModelSource:
     template = _read_template(chat_template)
     from devgraph.serve.checkpoint.hf_tokenizer import HFTokenizer  # imports transformers: only here
 
-    tokenizer = HFTokenizer(path, template)
+    tokenizer = HFTokenizer(
+        path, template, trust_request_template=trust_request_template, render_limits=render_limits
+    )
     generation = read_generation_config(path, checkpoint.eos_token_ids, tokenizer.eos_token_ids)
     for note in generation.notes:
         logger.warning("%s: %s", path.name, note)

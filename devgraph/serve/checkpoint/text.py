@@ -13,11 +13,25 @@ from typing import Any, Protocol
 
 from devgraph.errors import InputError
 
-__all__ = ["ChatTemplateError", "IncrementalDecoder", "Tokenizer"]
+__all__ = ["ChatTemplateError", "IncrementalDecoder", "Tokenizer", "check_unicode"]
 
 
 class ChatTemplateError(InputError):
-    """A chat request the model's template cannot render (no template, or the template refused it)."""
+    """A chat request the model's template cannot render (no template, a template the request may not send,
+    or the template refused it, ran too long or wrote too much)."""
+
+
+def check_unicode(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (JSON's ``"\\ud800"`` decodes to one) is an
+    :class:`InputError` naming where it is, as tokenizers cannot encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"{what} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}; send text whose \\u escapes pair up"
+        ) from None
+    return text
 
 
 class IncrementalDecoder(Protocol):
@@ -54,6 +68,13 @@ class Tokenizer(Protocol):
 
     def token_bytes(self, token: int) -> bytes:
         """One token's own bytes: for a token that holds part of a character, that part (not U+FFFD's)."""
+
+    def start(self) -> None:
+        """Start whatever rendering chats needs (worker processes) ahead of the first request."""
+        ...
+
+    def close(self) -> None:
+        """Stop it (the server shuts down)."""
         ...
 
     def chat_prompt(
@@ -63,7 +84,9 @@ class Tokenizer(Protocol):
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: Mapping[str, Any],
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """The prompt ids of a conversation rendered by the chat template; :class:`ChatTemplateError`
-        when there is no template or it refuses the messages."""
+        """The prompt ids of a conversation rendered by the chat template (``tools``: the template's own
+        ``tools`` variable, as transformers passes it); :class:`ChatTemplateError` when there is no
+        template or it refuses the messages."""
         ...

@@ -16,8 +16,8 @@ Progress: a bar on a terminal, otherwise an INFO line every quarter of the bytes
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import logging
 import sys
 import time
@@ -30,6 +30,7 @@ import torch
 
 from devgraph.errors import ConfigError
 from devgraph.extras import require_extra
+from devgraph.flag.jsonfile import read_json_file
 from devgraph.messages import shorten
 from devgraph.reference.model import DecoderLayer, ReferenceModel
 
@@ -50,14 +51,16 @@ class WeightFiles:
 
     @classmethod
     def find(cls, directory: Path) -> WeightFiles:
-        """The checkpoint's safetensors files; :class:`ConfigError` when it has none."""
+        """The checkpoint's safetensors files, each opened once to read its header; :class:`ConfigError`
+        naming the file when there are none, the index is damaged, a shard is missing or a file is not
+        readable safetensors (truncated, overwritten, empty)."""
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ConfigError(f"cannot read {index}: {shorten(str(exc), 200)}") from None
-            return cls(directory, {str(k): str(v) for k, v in weight_map.items()})
+            sharded = _read_index(index)
+            for name in sorted(set(sharded.values())):
+                with _open(directory / name):  # a missing or damaged shard stops start-up here
+                    pass
+            return cls(directory, sharded)
         files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
             other = sorted(
@@ -68,19 +71,65 @@ class WeightFiles:
                 f"{directory} has no *.safetensors weights{found}: devgraph serve loads safetensors only; "
                 "save the model with save_pretrained(safe_serialization=True)"
             )
-        safe_open = _safe_open()
         where: dict[str, str] = {}
         for name in files:
-            with safe_open(str(directory / name), framework="pt") as handle:
+            with _open(directory / name) as handle:
                 where.update(dict.fromkeys(handle.keys(), name))
+        if not where:
+            raise ConfigError(f"{directory}: its safetensors files ({', '.join(files[:3])}) hold no tensors")
         return cls(directory, where)
 
     def stored_dtype(self) -> torch.dtype | None:
         """The dtype the floating-point tensors are stored in (the first one's), if it is a float type."""
-        safe_open = _safe_open()
         name, file = next(iter(self.where.items()))
-        with safe_open(str(self.directory / file), framework="pt") as handle:
+        with _open(self.directory / file) as handle:
             return _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype())
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """``weight_map`` of a sharded checkpoint's index: tensor name -> a file name in the same directory."""
+    data = read_json_file(index, "a safetensors index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(
+            f"{index}: weight_map must be a non-empty object of tensor name -> shard file, got "
+            f"{shorten(weight_map)}; the index is damaged: copy it again with the checkpoint"
+        )
+    for tensor, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).name != file:
+            raise ConfigError(
+                f"{index}: tensor {shorten(tensor)} is mapped to {shorten(file)}, not a file name in the "
+                "checkpoint directory"
+            )
+    missing = sorted({f for f in weight_map.values() if not (index.parent / f).is_file()})
+    if missing:
+        raise ConfigError(
+            f"{index} names {len(missing)} shard(s) missing from {index.parent}: {shorten(missing, 200)}; "
+            "copy every shard of the checkpoint"
+        )
+    return {str(k): v for k, v in weight_map.items()}
+
+
+@contextlib.contextmanager
+def _open(path: Path) -> Iterator[Any]:
+    """``safe_open(path)``; :class:`ConfigError` naming the file when it cannot be opened or read."""
+    safe_open = _safe_open()
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors' own error type, an OSError: the file is not usable as it is
+        raise ConfigError(f"{path}: {_unreadable(exc)}") from None
+    with handle:
+        yield handle
+
+
+def _unreadable(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return f"cannot be read ({exc.strerror or exc})"
+    reason = " ".join(str(exc).split()).removeprefix("Error while deserializing header: ")
+    return (
+        f"not a readable safetensors file ({shorten(reason, 120)}): it is truncated, empty or overwritten; "
+        "copy it again"
+    )
 
 
 @dataclass(frozen=True)
@@ -242,21 +291,34 @@ def _read(
     files: WeightFiles, slots: dict[str, _Slot]
 ) -> Iterator[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
     """``(name, full shape, read)`` for every slot, file by file: ``read()`` reads the slot's part of the
-    tensor (all of it, or this rank's rows or columns) from the memory-mapped file, nothing else."""
-    safe_open = _safe_open()
+    tensor (all of it, or this rank's rows or columns) from the memory-mapped file, nothing else. A tensor
+    the header names but the file does not hold as named is a :class:`ConfigError` naming the file."""
     by_file: dict[str, list[str]] = {}
     for name in slots:
         by_file.setdefault(files.where[name], []).append(name)
     for file, names in sorted(by_file.items()):
-        with safe_open(str(files.directory / file), framework="pt", device="cpu") as handle:
+        path = files.directory / file
+        with _open(path) as handle:
             for name in names:
-                stored = handle.get_slice(name)
+                try:
+                    stored = handle.get_slice(name)
+                    shape = tuple(stored.get_shape())
+                except Exception as exc:  # a tensor the header names but the file does not hold as named
+                    raise ConfigError(f"{path}: tensor {name}: {_unreadable(exc)}") from None
                 part = slots[name].part
                 if part is None:
-                    yield name, tuple(stored.get_shape()), functools.partial(handle.get_tensor, name)
+                    read = functools.partial(handle.get_tensor, name)
                 else:
                     index = (part[1],) if part[0] == 0 else (slice(None), part[1])
-                    yield name, tuple(stored.get_shape()), functools.partial(stored.__getitem__, index)
+                    read = functools.partial(stored.__getitem__, index)
+                yield name, shape, functools.partial(_checked_read, read, path, name)
+
+
+def _checked_read(read: Callable[[], torch.Tensor], path: Path, name: str) -> torch.Tensor:
+    try:
+        return read()
+    except Exception as exc:  # the data past the header is short or unreadable
+        raise ConfigError(f"{path}: tensor {name}: {_unreadable(exc)}") from None
 
 
 def _safe_open() -> Callable[..., Any]:

@@ -165,6 +165,11 @@ class EngineLoop:
                 ):
                     self._cond.wait()
                 adds, self._adds = self._adds, []
+                # In flight from the moment they leave the queue, in the same critical section: sleep()
+                # between this and the state lock below must see them (it refuses while any are in flight).
+                for request_id, _, params, sink in adds:
+                    self._sinks[request_id] = sink
+                    self._open[request_id] = params.n  # copies of an n > 1 request not finished yet
                 aborts, self._aborts = self._aborts, []
                 stop = self._stop
             with self._state_lock:
@@ -203,9 +208,7 @@ class EngineLoop:
         adds: list[tuple[str, list[int], SamplingParams, Sink]],
         aborts: list[tuple[str, FinishReason, int | None]],
     ) -> None:
-        for request_id, tokens, params, sink in adds:
-            self._sinks[request_id] = sink
-            self._open[request_id] = params.n
+        for request_id, tokens, params, _ in adds:
             try:
                 self.engine.add_request(tokens, params, request_id)
             except Exception as exc:  # checked at submit; a failure here is a bug, reported per request
