@@ -155,6 +155,8 @@ class CompileSession:
         self.cache: Any = None
         self._forward: Callable[..., Any] | None = None
         self._compiled: AdaptiveCompile | None = None
+        #: Writes into views of the forward's inputs kept in place for inductor (:mod:`.inplace`).
+        self.writes_in_place = 0
 
     def wrap(self, forward: Callable[..., Any], dynamo_backend: Callable[..., Any]) -> AdaptiveCompile:
         """The compiled ``forward`` (compiling happens at its first call). A backend handed on to a runner
@@ -241,7 +243,11 @@ class CompileSession:
         return [note] if note else []
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"compiles": self.tracker.compiles, "recompiles": self.tracker.recompiles}
+        out: dict[str, Any] = {
+            "compiles": self.tracker.compiles,
+            "recompiles": self.tracker.recompiles,
+            "writes_kept_in_place": self.writes_in_place,
+        }
         if self._compiled is not None:
             out.update(self._compiled.describe())
         if self.cache is not None:
