@@ -391,3 +391,11 @@ def test_a_changed_helper_misses_the_cache_instead_of_running_old_code(tmp_path:
     )
     assert again.path == saved.path  # the same model and inputs name the same file...
     assert again.load() == "stale"  # ... whose code no longer matches: rebuilt, never run
+
+
+def test_triton_kernels_are_kept_under_cache_dir_unless_the_user_chose(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert artifacts.keep_triton_kernels(str(tmp_path)) == str(tmp_path.resolve() / "triton")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path.resolve() / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    assert artifacts.keep_triton_kernels(str(tmp_path)) == "/elsewhere"

@@ -111,7 +111,7 @@ def test_the_simulator_keeps_compiled_graphs_untimed_unless_given_a_timer():
     report = runner.capture()
     info = runner.inspect()["compiled_or_plain"]
     assert {v["why"] for v in info["keys"].values()} == {"not_timed"} and info["choice_seconds"] == 0
-    assert "not timed" in "\n".join(report.notes)
+    assert not report.notes  # nothing compared: nothing in the report differs from the plan
 
 
 def test_plain_full_measures_nothing():

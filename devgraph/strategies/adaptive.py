@@ -129,6 +129,8 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     def one(value: Any) -> Hashable:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+        if isinstance(value, torch.nn.Module):  # a layer of a regional compile: its class, not which one
+            return ("module", type(value).__qualname__)
         try:
             hash(value)
             return value

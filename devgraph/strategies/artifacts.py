@@ -47,7 +47,7 @@ import torch
 from devgraph._version import __version__
 from devgraph.errors import ConfigError
 
-__all__ = ["ArtifactCache", "fingerprint"]
+__all__ = ["ArtifactCache", "fingerprint", "keep_triton_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,21 @@ def fingerprint(
         "inputs": sorted(inputs),
         "keys": sorted(keys),
     }
+
+
+def keep_triton_kernels(cache_dir: str) -> str:
+    """Where Triton keeps compiled kernels: ``cache_dir/triton`` unless ``TRITON_CACHE_DIR`` is set already.
+
+    torch's cache artifacts carry inductor's own kernels, but not the Triton kernels a model launches itself
+    (the reference model's paged attention), which every fresh machine or container would compile again at
+    its first warm-up. With ``cache_dir`` on a volume that outlives the process, they are kept there too.
+    """
+    chosen = os.environ.get("TRITON_CACHE_DIR")
+    if chosen:
+        return chosen
+    path = str(Path(cache_dir).expanduser().resolve() / "triton")
+    os.environ["TRITON_CACHE_DIR"] = path
+    return path
 
 
 class ArtifactCache:

@@ -209,9 +209,9 @@ class CompileChoice:
 
     def notes(self) -> list[str]:
         """Lines for the capture report: each key's two times and the choice, and what it cost."""
-        if not self.choices:
-            return []
         ordered = sorted(self.choices.values(), key=lambda c: c.key.sort_key())
+        if all(c.why == "not_timed" for c in ordered):
+            return []  # nothing was compared (the CPU simulator): nothing differs from the plan
         compiled = sum(c.kept is Kept.COMPILED for c in ordered)
         seconds = sum(c.extra_s for c in ordered)
         lines = [

@@ -76,6 +76,8 @@ class FullGraphBackend(GraphStrategy):
         self.choice = CompileChoice(
             "full", keep_compiled=bool(self.options.extra.get("keep_compiled", False))
         )
+        #: Compile the model's repeated block once instead of the whole forward (:mod:`.regions`).
+        self.regions = bool(self.options.extra.get("regions", False))
         #: How the two graphs of a key are timed (``None``: the platform's timer); a test sets a stand-in.
         self.replay_timer: ReplayTimer | None = None
         self._forwards: PlainOrCompiled | None = None
@@ -91,7 +93,7 @@ class FullGraphBackend(GraphStrategy):
         available = dynamo_availability(self.platform)
         if not available:
             raise BackendUnavailableError(f"full with compiler {self.compiler!r}: {available.reason}")
-        compiled = self.compile.wrap(forward, self._dynamo_backend)
+        compiled = self.compile.wrap(forward, self._dynamo_backend, regions=self.regions)
         forwards = self._forwards
         if forwards is None or forwards.plain_forward is not forward or forwards.compiled is not compiled:
             forwards = self._forwards = PlainOrCompiled(forward, compiled)
