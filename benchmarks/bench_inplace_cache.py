@@ -16,6 +16,7 @@ functionalization asks for). Correctness: each variant's logits against eager on
 
     python benchmarks/bench_inplace_cache.py                    # H100: $OUT/inplace-cache.json (+ .png)
     python benchmarks/bench_inplace_cache.py --smoke            # the script on the CPU, tiny shape
+    python benchmarks/bench_inplace_cache.py --smoke --code-only 2,4,8   # only inductor's code, CPU
 
 Defaults: 28 layers (the real depth; compile time is what bounds it), batches 1 and 64, bf16.
 """
@@ -57,7 +58,54 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", help="comma-separated decode batch sizes (default 1,64)")
     parser.add_argument("--out", help="JSON path (default $OUT/inplace-cache.json)")
     parser.add_argument("--time-budget", type=float, default=170.0, help="seconds for the whole run")
+    parser.add_argument(
+        "--code-only",
+        help="comma-separated layer counts: only compile (static shapes, the largest batch) before and after "
+        "the fix and count the cache-sized buffers in inductor's code (no graphs, no timing)",
+    )
     return parser.parse_args(argv)
+
+
+def code_only(args: argparse.Namespace, device: str, dtype: torch.dtype, base: Any, batch: int) -> int:
+    """The generated code of the plain decoder at several depths, before and after the fix."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.utils import run_and_get_code
+
+    from devgraph.strategies.inplace import keep_writes_in_place
+
+    dev = Device(device)
+    path = output_path(
+        "inplace-cache-code.json", "benchmarks/results/inplace-cache-code.json", args.out, False
+    )
+    report = Report(path, {**environment(dev), "dtype": str(dtype), "batch": batch})
+    report.data["meta"]["how"] = (
+        "torch.compile(plain decoder forward, fullgraph, static shapes) through inductor, the writes into "
+        "the cache rewritten (after) or not (before); buffers of inductor's code at least one layer's "
+        "cache slice in size"
+    )
+    report.data["code"] = {}
+    elem = torch.empty((), dtype=dtype).element_size()
+    for layers in (int(n) for n in args.code_only.split(",")):
+        shape = base.with_(layers=layers)
+        slice_numel = shape.max_batch * shape.kv_heads * shape.max_len * shape.head_dim
+        for rewrite in (False, True):
+            model = zoo.build("plain", shape, device, dtype)
+
+            def backend(gm: torch.fx.GraphModule, example: list[Any], rewrite: bool = rewrite) -> Any:
+                if rewrite:
+                    keep_writes_in_place(gm)
+                return compile_fx(gm, example)
+
+            torch._dynamo.reset()
+            compiled = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+            with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+                _, sources = run_and_get_code(compiled, **model.make_step(batch, 0))
+            stats = {**code_stats(sources, slice_numel, elem), "layer_cache_slice_bytes": slice_numel * elem}
+            report.data["code"][f"layers={layers} {'after' if rewrite else 'before'}"] = stats
+            print(layers, "after" if rewrite else "before", stats, flush=True)
+            report.save()
+    print(f"wrote {path}")
+    return 0
 
 
 def code_stats(sources: list[str], slice_numel: int, elem: int) -> dict[str, Any]:
@@ -75,7 +123,7 @@ def code_stats(sources: list[str], slice_numel: int, elem: int) -> dict[str, Any
         "kernels_source_chars": sum(len(s) for s in sources),
         "cache_sized_buffers": len(big),
         "cache_sized_bytes": sum(big) * elem,
-        "write_into_calls": sum(s.count("devgraph.write_into") for s in sources),
+        "write_into_calls": sum(s.count("torch.ops.devgraph.write_into.default(") for s in sources),
     }
 
 
@@ -150,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = zoo.CPU_TINY.with_(max_batch=8) if args.smoke else zoo.QWEN3_06B_LIKE
     shape = base.with_(layers=args.layers or (2 if args.smoke else 28))
     batches = [int(b) for b in (args.batches or ("1,8" if args.smoke else "1,64")).split(",")]
+    if args.code_only:
+        return code_only(args, device, dtype, base, max(batches))
     dev = Device(device)
     path = output_path(
         "inplace-cache.json", "benchmarks/results/h100-inplace-cache.json", args.out, args.smoke
