@@ -32,6 +32,7 @@ from devgraph.contract.keys import GraphKey
 
 __all__ = [
     "ABANDON_RATIO",
+    "agreed_times",
     "CompileChoice",
     "KeyChoice",
     "Kept",
@@ -117,20 +118,40 @@ class KeyChoice:
 
 
 def time_pair(
-    timer: ReplayTimer, compiled: Callable[[], Any], plain: Callable[[], Any]
+    timer: ReplayTimer, compiled: Callable[[], Any], plain: Callable[[], Any], *, fixed: bool = False
 ) -> tuple[float, float]:
     """Seconds per replay of ``compiled`` and ``plain``: one untimed replay each, then interleaved rounds
-    (the fastest round of each counts; one round when a replay is slow enough that noise cannot decide)."""
+    (the fastest round of each counts; one round when a replay is slow enough that noise cannot decide).
+
+    ``fixed``: always every round. Ranks of a process group replay graphs that hold collectives, so each
+    must replay exactly as often as its peers, whatever its own clock says."""
     compiled()
     plain()
     best_compiled = timer(compiled, REPLAYS_PER_ROUND)
     best_plain = timer(plain, REPLAYS_PER_ROUND)
-    if max(best_compiled, best_plain) >= SLOW_REPLAY_S:
+    if not fixed and max(best_compiled, best_plain) >= SLOW_REPLAY_S:
         return best_compiled, best_plain
     for _ in range(TIMED_ROUNDS - 1):
         best_compiled = min(best_compiled, timer(compiled, REPLAYS_PER_ROUND))
         best_plain = min(best_plain, timer(plain, REPLAYS_PER_ROUND))
     return best_compiled, best_plain
+
+
+def agreed_times(group: Any, compiled_s: float, plain_s: float) -> tuple[float, float]:
+    """The slowest of each time over the ranks of ``group`` (every rank then makes the same choice, and
+    abandons the compiled path at the same key: their captures stay in step); as given without one."""
+    import torch.distributed as dist
+
+    if (
+        group is None
+        or not dist.is_available()
+        or not dist.is_initialized()
+        or dist.get_world_size(group) < 2
+    ):
+        return compiled_s, plain_s
+    answers: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(answers, (compiled_s, plain_s), group=group)
+    return max(a[0] for a in answers), max(a[1] for a in answers)
 
 
 class CompileChoice:

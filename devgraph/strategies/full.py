@@ -22,7 +22,14 @@ from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import BackendUnavailableError
 from devgraph.strategies._base import GraphStrategy
-from devgraph.strategies.choice import CompileChoice, Kept, PlainOrCompiled, ReplayTimer, time_pair
+from devgraph.strategies.choice import (
+    CompileChoice,
+    Kept,
+    PlainOrCompiled,
+    ReplayTimer,
+    agreed_times,
+    time_pair,
+)
 from devgraph.strategies.compiling import (
     CompileSession,
     check_compiler,
@@ -148,13 +155,22 @@ class FullGraphBackend(GraphStrategy):
             )
             self.choice.record(key, Kept.COMPILED, "plain_failed", time.perf_counter() - start)
             return compiled
-        compiled_s, plain_s = time_pair(timer, compiled.graph.replay, plain.graph.replay)
+        group = self._process_group()
+        compiled_s, plain_s = time_pair(
+            timer, compiled.graph.replay, plain.graph.replay, fixed=group is not None
+        )
+        compiled_s, plain_s = agreed_times(group, compiled_s, plain_s)
         choice = self.choice.decide(key, compiled_s, plain_s, time.perf_counter() - start)
         kept, dropped = (compiled, plain) if choice.kept is Kept.COMPILED else (plain, compiled)
         dropped.reset()
         if not self.choice.trying:
             forwards.use_plain = True  # the smaller keys' warm-ups run (and compile) nothing compiled
         return kept
+
+    def _process_group(self) -> Any:
+        """The owning runner's process group (its ranks must choose alike), or ``None``."""
+        owner = self._owner() if self._owner is not None else None
+        return getattr(getattr(owner, "plan", None), "process_group", None)
 
     def _capture_graph(self, forward_fn: Callable[[], Any], *, opaque: bool) -> FullEntry:
         platform = self.platform
