@@ -217,3 +217,24 @@ def test_the_ranks_of_a_group_choose_alike_whatever_their_own_clocks_say(tmp_pat
     assert {v[0] for v in found[0]["keys"].values()} == {"plain"}
     assert found[0]["keys"]["tokens=4"][2:] == [3.0, 2.0]
     assert found[0]["abandoned"] is None and found[0]["equal_to_eager"] and found[1]["equal_to_eager"]
+
+
+def marked_when_compiled(x: torch.Tensor) -> torch.Tensor:
+    y = torch.relu(x @ W) * 2 + 1
+    return y + 1e-3 if torch.compiler.is_compiling() else y  # the compiled form is told apart by its values
+
+
+@pytest.mark.parametrize(("compiled_s", "kept_graph"), [(1.5e-3, "plain"), (0.5e-3, "compiled")])
+def test_verify_compares_each_key_with_the_forward_its_graph_runs(compiled_s, kept_graph):
+    backend = create_backend("cpu", "decode", "full", options={"compiler": "eager"})
+    backend.replay_timer = StandInTimer(compiled_s=compiled_s, plain_s=1e-3)  # type: ignore[attr-defined]
+    runner = GraphRunner(
+        marked_when_compiled, phase="decode", inputs=INPUTS, device="cpu", sizes=SIZES, backend=backend
+    )
+    runner.capture()
+    assert set(kept(runner).values()) == {kept_graph}
+    x = torch.randn(3, 8)
+    result = runner.verify(x=x)
+    assert result.replayed and result.max_abs_diff == 0  # the padded eager run is the kept graph's forward
+    expected = marked_when_compiled(x) + (1e-3 if kept_graph == "compiled" else 0)
+    torch.testing.assert_close(runner.run(x=x), expected)

@@ -267,15 +267,36 @@ class CompileChoice:
 
 class PlainOrCompiled:
     """The forward a choosing strategy hands the runner: the compiled forward, or the plain one while
-    :meth:`plain` is entered (the strategy's second capture) or once the compiled path was abandoned."""
+    :meth:`plain` is entered (the strategy's second capture), once the compiled path was abandoned, or for
+    the inputs of a key whose plain graph was kept (so that ``verify()`` compares a key's graph with the
+    forward it captured)."""
 
     def __init__(self, plain: Callable[..., Any], compiled: Callable[..., Any]) -> None:
         self.plain_forward = plain
         self.compiled = compiled
         self.use_plain = False
+        #: The shapes of the last call's tensor arguments (the key being captured, during a capture).
+        self.last_signature: tuple[Any, ...] | None = None
+        self._plain_keys: set[tuple[Any, ...]] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.plain_forward if self.use_plain else self.compiled)(*args, **kwargs)
+        signature = _signature(args, kwargs)
+        self.last_signature = signature
+        plain = self.use_plain or signature in self._plain_keys
+        return (self.plain_forward if plain else self.compiled)(*args, **kwargs)
+
+    def kept(self, signature: tuple[Any, ...] | None, kept: Kept) -> None:
+        """The graph kept for the inputs of ``signature``: later calls with them run the same forward."""
+        if signature is None:
+            return
+        if kept is Kept.PLAIN:
+            self._plain_keys.add(signature)
+        else:
+            self._plain_keys.discard(signature)
+
+    def forget(self) -> None:
+        self._plain_keys.clear()
+        self.use_plain = False
 
     @contextmanager
     def plain(self) -> Iterator[None]:
@@ -285,3 +306,11 @@ class PlainOrCompiled:
             yield
         finally:
             self.use_plain = before
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def one(value: Any) -> Any:
+        shape = getattr(value, "shape", None)
+        return tuple(shape) if shape is not None else None
+
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))

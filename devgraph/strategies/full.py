@@ -134,6 +134,7 @@ class FullGraphBackend(GraphStrategy):
             with forwards.plain():
                 entry = self._capture_graph(forward_fn, opaque=False)
             self.choice.record(key, Kept.PLAIN, "abandoned")
+            forwards.kept(forwards.last_signature, Kept.PLAIN)
             return entry
         compiled = self._capture_graph(forward_fn, opaque=True)
         timer = self.replay_timer or (self.platform.time_replays if self.platform.times_replays else None)
@@ -163,6 +164,7 @@ class FullGraphBackend(GraphStrategy):
         choice = self.choice.decide(key, compiled_s, plain_s, time.perf_counter() - start)
         kept, dropped = (compiled, plain) if choice.kept is Kept.COMPILED else (plain, compiled)
         dropped.reset()
+        forwards.kept(forwards.last_signature, choice.kept)  # verify() runs what this key's graph runs
         if not self.choice.trying:
             forwards.use_plain = True  # the smaller keys' warm-ups run (and compile) nothing compiled
         return kept
@@ -197,7 +199,7 @@ class FullGraphBackend(GraphStrategy):
         self.compile.reset()
         self.choice.reset()
         if self._forwards is not None:
-            self._forwards.use_plain = False
+            self._forwards.forget()
 
     def capture_notes(self) -> list[str]:
         return [*self.compile.notes(), *self.choice.notes()]
