@@ -238,3 +238,30 @@ def test_verify_compares_each_key_with_the_forward_its_graph_runs(compiled_s, ke
     assert result.replayed and result.max_abs_diff == 0  # the padded eager run is the kept graph's forward
     expected = marked_when_compiled(x) + (1e-3 if kept_graph == "compiled" else 0)
     torch.testing.assert_close(runner.run(x=x), expected)
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_slower_compiled_forward_keeps_plain_graphs_by_cuda_events():
+    weights, waste = W.cuda(), torch.randn(2048, 2048, device="cuda")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x @ weights) * 2 + 1
+        if torch.compiler.is_compiling():  # the compiled form alone multiplies large matrices for nothing
+            w = waste
+            for _ in range(8):
+                w = w @ waste / 45
+            y = y + 0 * w.sum()
+        return y
+
+    flag = '{"decode": {"backend": "full", "compiler": "eager"}}'
+    runner = GraphRunner(forward, phase="decode", inputs=INPUTS, device="cuda", sizes=[2, 8], config=flag)
+    try:
+        runner.capture()
+        info = runner.inspect()["compiled_or_plain"]
+        largest = info["keys"]["tokens=8"]
+        assert largest["kept"] == "plain" and largest["compiled_over_plain"] > ABANDON_RATIO, largest
+        assert info["keys"]["tokens=2"]["why"] == "abandoned"
+        x = torch.randn(5, 8, device="cuda")
+        torch.testing.assert_close(runner.run(x=x), torch.relu(x @ weights) * 2 + 1)
+    finally:
+        runner.close()

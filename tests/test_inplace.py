@@ -123,3 +123,28 @@ def test_inductor_code_for_the_plain_decoder_copies_no_cache():
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(after[0][:, :3], module.k_cache[:, :3], rtol=1e-4, atol=1e-4)
     runner.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_on_cuda_the_plain_decoder_compiles_without_cache_copies():
+    model = build("plain", SHAPE, "cuda", torch.bfloat16)
+    flag = '{"decode": {"backend": "full", "compiler": "inductor"}}'
+    runner = GraphRunner(
+        model.forward, device="cuda", sizes=[1, 4], config=flag, progress=False, **model.runner_kwargs()
+    )
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            _, code = run_and_get_code(runner.capture)
+        source = "\n".join(code)
+        slice_shape = f"({SHAPE.max_batch}, {SHAPE.kv_heads}, {SHAPE.max_len}, {SHAPE.head_dim})"
+        assert f"empty_strided_cuda({slice_shape}" not in source
+        assert source.count("torch.ops.devgraph.write_into.default(") >= 2 * SHAPE.layers
+        info = runner.inspect()
+        assert info["writes_kept_in_place"] >= 2 * SHAPE.layers
+        assert set(info["compiled_or_plain"]["keys"]) == {"tokens=1", "tokens=4"}  # timed by CUDA events
+        for n, seed in ((3, 1), (4, 2)):
+            result = runner.verify(**model.make_step(n, seed))
+            assert result.replayed and result.max_abs_diff == 0 and result.ok, result
+    finally:
+        runner.close()
