@@ -245,12 +245,13 @@ class CompileChoice:
         return lines
 
     def summary(self) -> dict[str, Any]:
-        """Which keys replay which graph (for the runner's ``stats()``)."""
+        """Which keys replay which graph, and both times per key (for the runner's ``stats()``)."""
         ordered = sorted(self.choices.values(), key=lambda c: c.key.sort_key())
         return {
             "compiled": [str(c.key) for c in ordered if c.kept is Kept.COMPILED],
             "plain": [str(c.key) for c in ordered if c.kept is Kept.PLAIN],
             "abandoned": self.abandoned is not None,
+            "ms": {str(c.key): [c.describe()["compiled_ms"], c.describe()["plain_ms"]] for c in ordered},
         }
 
     def describe(self) -> dict[str, Any]:
