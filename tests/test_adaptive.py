@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+import devgraph
 from devgraph import CaptureError, GraphRunner, StaticInput
 from devgraph.integrations.hf.regions import CompiledRegion
 from devgraph.platforms.sim.platform import CpuSimPlatform
@@ -107,3 +108,45 @@ def test_a_fast_path_region_that_specialises_compiles_each_shape():
         torch.testing.assert_close(region(x), per_size(x))
     described = region.describe()
     assert described["compile"] == "per_shape" and described["fallback_kind"] == "recompile_limit"
+
+
+# -- a break op whose result is not shaped like its first argument, traced with the default fake (issue 27) --
+@devgraph.graph_break("adaptive_test::first_three")
+def first_three(x: torch.Tensor) -> torch.Tensor:
+    return x[:, :3] * 2
+
+
+@devgraph.graph_break("adaptive_test::first_three_faked", fake=lambda x: x.new_empty(x.shape[0], 3))
+def first_three_faked(x: torch.Tensor) -> torch.Tensor:  # the advice's own example, applied
+    return x[:, :3] * 2
+
+
+PROJECT = torch.linspace(-1, 1, 6).reshape(3, 2)
+
+
+def projects(x: torch.Tensor) -> torch.Tensor:
+    return first_three(torch.relu(x)) @ PROJECT  # the code after the op traces on the fake's [n, 4] guess
+
+
+def projects_faked(x: torch.Tensor) -> torch.Tensor:
+    return first_three_faked(torch.relu(x)) @ PROJECT
+
+
+def test_a_default_fake_of_the_wrong_shape_gets_advice_naming_fake():
+    runner = GraphRunner(
+        projects, phase="prefill", inputs=INPUTS, device="cpu", sizes=[2, 4], mode="tc_piecewise"
+    )
+    with pytest.raises(CaptureError) as raised:
+        runner.capture()
+    message = str(raised.value)
+    what_to_do = message.split("What to do:")[1]
+    assert "adaptive_test::first_three was traced with the default fake" in what_to_do
+    assert "fake=lambda x: x.new_empty(x.shape[0], 3)" in what_to_do
+    assert raised.value.cause == "break_op_fake"  # type: ignore[attr-defined]
+
+    fixed = GraphRunner(
+        projects_faked, phase="prefill", inputs=INPUTS, device="cpu", sizes=[2, 4], mode="tc_piecewise"
+    )
+    fixed.capture()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(fixed.run(x=x), projects_faked(x))

@@ -316,3 +316,86 @@ def test_the_load_outcome_is_kept_after_a_save(tmp_path: Path, monkeypatch) -> N
         "loaded": "stale",
         "precompiled": None,
     }
+
+
+# -- the code fingerprint follows what the forward calls (issue 27) ----------------------------------------
+HELPER_MODULE = """
+import functools
+import torch
+
+SCALE = {scale}
+
+
+def helper(x):
+    return x * {factor}
+
+
+def _deep(x):
+    return x + {deep}
+
+
+def middle(x):
+    return _deep(x) * SCALE
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+        self.post = functools.partial(middle)
+
+    def forward(self, x):
+        return helper(x * self.w) + self.post(x)
+"""
+
+
+def _helper_model(tmp_path: Path, name: str, **values: Any) -> Any:
+    import importlib.util
+
+    source = HELPER_MODULE.format(**{"scale": 1.0, "factor": 2, "deep": 3, **values})
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Net()
+
+
+def test_the_fingerprint_follows_the_helpers_the_forward_calls(tmp_path: Path) -> None:
+    options = {"strategy": "full", "compiler": "inductor", "inductor_mode": None}
+
+    def code_of(**values: Any) -> str:
+        model = _helper_model(tmp_path, f"m{len(list(tmp_path.iterdir()))}", **values)
+        return str(artifacts.fingerprint(model.forward, "cpu", options, [], [])["code"])
+
+    base = code_of()
+    assert code_of() == base  # the same source: the same digest
+    assert code_of(factor=3) != base  # a module-level helper the forward calls changed
+    assert code_of(deep=4) != base  # a helper two calls away, reached through functools.partial
+    assert code_of(scale=0.5) != base  # a global constant a helper reads
+
+
+def test_a_changed_helper_misses_the_cache_instead_of_running_old_code(tmp_path: Path) -> None:
+    options = {"strategy": "full", "compiler": "inductor", "inductor_mode": None}
+    before = _helper_model(tmp_path, "before")
+    after = _helper_model(tmp_path, "after", factor=3)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    saved = ArtifactCache(
+        str(cache_dir), before.forward, artifacts.fingerprint(before.forward, "cpu", options, [], [])
+    )
+    _write(saved.path, saved.fingerprint, b"payload")
+    again = ArtifactCache(
+        str(cache_dir), after.forward, artifacts.fingerprint(after.forward, "cpu", options, [], [])
+    )
+    assert again.path == saved.path  # the same model and inputs name the same file...
+    assert again.load() == "stale"  # ... whose code no longer matches: rebuilt, never run
+
+
+def test_triton_kernels_are_kept_under_cache_dir_unless_the_user_chose(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert artifacts.keep_triton_kernels(str(tmp_path)) == str(tmp_path.resolve() / "triton")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path.resolve() / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    assert artifacts.keep_triton_kernels(str(tmp_path)) == "/elsewhere"

@@ -67,7 +67,9 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
         Row(
             ("devgraph.strategies.*",),
             "`full`, `breakable`, `tc_piecewise`, `eager`, their base, `compiling` (one compile for every "
-            "size), `adaptive` (a compile per size where one across sizes fails), `artifacts` (warm "
+            "size), `adaptive` (a compile per size where one across sizes fails), `choice` (compiled or "
+            "plain per key: both timed, the faster kept), `inplace` (writes into a view of an input kept in "
+            "place for inductor), `regions` (the repeated block compiled once), `artifacts` (warm "
             "restarts), `precompile` (the compiled forward saved whole: warm starts without re-tracing), "
             "`startup` (start-up seconds by compile phase), `plan` (the segmented replay plan)",
         ),

@@ -195,6 +195,11 @@ class DeviceGraphBackend(ABC):
         """Backend-wide facts for ``inspect()``: compiles, recompiles, compiler."""
         return {}
 
+    def stats(self) -> dict[str, Any]:
+        """Backend facts for the runner's ``stats()`` (``full`` with a compiler: which keys replay the
+        compiled graph and which the plain one); plain data, empty by default."""
+        return {}
+
     def capture_notes(self) -> list[str]:
         """Lines the capture report adds after a capture: what the backend did differently from the plan
         and what it cost (a compile per size where one across sizes failed)."""

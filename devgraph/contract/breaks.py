@@ -259,6 +259,16 @@ def break_op_for(target: Any) -> BreakOp | None:
     return _break_ops.get(target)
 
 
+def traced_with_default_fake() -> list[str]:
+    """The names of the break ops ``torch.compile`` has traced with their default fake (no ``fake=``
+    given), for advice when a compile fails on shapes."""
+    return sorted(
+        op.default_fake.qualname
+        for op in _break_ops.values()
+        if op.default_fake is not None and op.default_fake.used
+    )
+
+
 def is_break_target(target: Any) -> bool:
     """Whether an FX node target is a registered break op (``tc_piecewise`` splits there)."""
     if target in _break_targets:

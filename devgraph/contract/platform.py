@@ -7,6 +7,7 @@ every strategy in :mod:`devgraph.strategies` runs on it unchanged.
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,6 +77,10 @@ class GraphPlatform(ABC):
     #: Whether a capture on this platform fails when the forward syncs with the host (``.item()``);
     #: the conformance kit may skip its host-sync check only where this is False.
     detects_host_sync: ClassVar[bool] = False
+    #: Whether :meth:`time_replays` measures what a replay costs on the device. A compiling strategy times
+    #: its compiled graph against the plain one only where it does (the CPU simulator says no: there the
+    #: compiled graph is kept, unless the strategy is given a timer).
+    times_replays: ClassVar[bool] = True
     #: Eager runs of the forward on the capture stream before each key's capture (lazy handles, cuBLAS
     #: workspaces and compiles happen there, not inside the capture).
     warmup_iters: ClassVar[int] = 2
@@ -168,6 +173,21 @@ class GraphPlatform(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait for all work on the device to finish."""
+
+    def time_replays(self, replay: Callable[[], None], iters: int) -> float:
+        """Seconds one call of ``replay`` takes on the device, averaged over ``iters`` calls in a row.
+
+        Strategies time two ways of serving a key with this (a compiled graph against a plain one). The
+        default is the host's clock around a synchronized loop, right for the CPU simulator and for any
+        device whose :meth:`synchronize` waits for its work; a device with timing events overrides it so
+        that host jitter does not count.
+        """
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            replay()
+        self.synchronize()
+        return (time.perf_counter() - start) / max(iters, 1)
 
     # -- memory ----------------------------------------------------------------------------------
     @abstractmethod

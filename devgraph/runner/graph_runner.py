@@ -348,6 +348,7 @@ class GraphRunner(PlanView):
                 **self._stats.as_dict(),
                 "released": self._released is not None,
                 "graph_memory": memory.graph_memory(self).as_dict(),
+                "strategy": self.backend.stats(),
             }
 
     def reset_stats(self) -> None:

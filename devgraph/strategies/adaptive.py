@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.breaks import running_compiled
+from devgraph.contract.breaks import running_compiled, traced_with_default_fake
 from devgraph.errors import CaptureError, DevGraphError, RecompileError
 from devgraph.strategies.precompile import Precompiled, aot_compile
 from devgraph.strategies.startup import StartupClock
@@ -129,6 +129,8 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     def one(value: Any) -> Hashable:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+        if isinstance(value, torch.nn.Module):  # a layer of a regional compile: its class, not which one
+            return ("module", type(value).__qualname__)
         try:
             hash(value)
             return value
@@ -355,6 +357,21 @@ _ADVICE = {
 }
 
 
+#: Compile failures a wrongly shaped break-op fake can cause (the code after the op traced on its guess).
+_SHAPE_KINDS = frozenset({"trace", "compiler", "data_dependent"})
+
+
+def _default_fake_advice(ops: list[str]) -> str:
+    names = ", ".join(ops)
+    return (
+        f"the break op{'s' if len(ops) > 1 else ''} {names} {'were' if len(ops) > 1 else 'was'} traced with "
+        "the default fake, which shapes each result like the op's first tensor argument; if a result is "
+        "shaped otherwise, give the op fake=, a function of its arguments returning empty tensors of the "
+        f'result\'s shapes: for an [n, 3] result of an [n, k] input, @devgraph.graph_break("{ops[0]}", '
+        "fake=lambda x: x.new_empty(x.shape[0], 3))"
+    )
+
+
 class StaticCompileError(CaptureError):
     """Both the dynamic compile and a static compile of one size failed."""
 
@@ -365,8 +382,13 @@ class StaticCompileError(CaptureError):
         # An error of devgraph's own raised while tracing (a break op's fake, say) already says what to do.
         own = [e for e in _chain(exc) if isinstance(e, DevGraphError) and not isinstance(e, CaptureError)]
         self.advice = str(own[-1]) if own else _ADVICE[kind]
+        guessed = traced_with_default_fake() if not own and kind in _SHAPE_KINDS else []
+        if guessed:
+            # A result shaped otherwise than the default fake's guess fails the trace of the code after the
+            # op, far from the op: name it, and the fix.
+            self.advice = f"{_default_fake_advice(guessed)}; otherwise: {self.advice}"
         #: The capture advice's name for the cause (a break op's fake is fixed in the op, not the compile).
-        self.cause = "break_op_fake" if own and "fake=" in self.advice else "torch_compile"
+        self.cause = "break_op_fake" if guessed or (own and "fake=" in self.advice) else "torch_compile"
         static = _message(exc)
         again = "the same error" if static == dynamic_cause else f"{kind}: {static}"
         super().__init__(

@@ -15,18 +15,29 @@ files of their own.
 
 Each file carries a header with a *fingerprint* (torch, triton and devgraph versions, the device, the
 strategy and compiler options, the forward's code, the model's parameter shapes and dtypes, the static
-inputs and the keys) and a SHA-256 of its payload. A file whose fingerprint differs (the model or the
+inputs and the keys) and a SHA-256 of its payload. The forward's code is followed to what it calls: the
+functions and classes it names through its globals and closures (module-level helpers, the functions of a
+user module it imports, ``functools.partial``, decorated functions), the methods of every module class in
+the model, transitively up to :data:`MAX_CALL_DEPTH` calls deep and :data:`MAX_FUNCTIONS` functions, and
+the simple constants (numbers, strings, tuples) it reads from globals and closures. Not followed: torch's,
+devgraph's, triton's and the standard library's code (their versions are in the fingerprint, and dynamo
+rewrites some of torch's functions as a process compiles), code reached without a name in the code
+(functions kept in a dict or a list, ``getattr`` with a computed name, callables held by objects other than
+modules), and compiled extensions. A file whose fingerprint differs (the model or the
 sizes changed: *stale*) or whose payload does not match its hash or does not load (*corrupt*) is never
 used; it is rebuilt by this process. The outcome is in ``inspect()`` (``artifact_cache``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
+import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -36,7 +47,7 @@ import torch
 from devgraph._version import __version__
 from devgraph.errors import ConfigError
 
-__all__ = ["ArtifactCache", "fingerprint"]
+__all__ = ["ArtifactCache", "fingerprint", "keep_triton_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,37 +55,134 @@ _MAGIC = b"devgraph-compile-cache\n"
 _FORMAT = 1
 
 
-def _code_digest(fn: Callable[..., Any]) -> str:
-    """A hash of the bytecode and constants of ``fn`` and, for a bound method of an ``nn.Module``, of
-    every module class's forward in the model (what dynamo traces)."""
-    digest = hashlib.sha256()
-    seen: set[int] = set()
+#: Modules whose code the digest does not follow: torch's (covered by its version; dynamo rewrites some of
+#: its functions at a process's first compile, so hashing them would make the digest depend on what the
+#: process compiled before), devgraph's and triton's (their versions), and Python's standard library.
+_NOT_FOLLOWED = frozenset({"torch", "devgraph", "triton", "builtins", "typing", *sys.stdlib_module_names})
+#: Bounds of the walk through what the forward calls: how many calls deep, and how many functions at most.
+MAX_CALL_DEPTH = 8
+MAX_FUNCTIONS = 4000
+#: A global constant's ``repr`` longer than this is hashed by its type and length only.
+_MAX_CONSTANT_REPR = 512
 
-    def add(code: Any) -> None:
-        if code is None or id(code) in seen:
+
+def _followed(obj: Any) -> bool:
+    module = getattr(obj, "__module__", None) or getattr(obj, "__name__", None) or ""
+    return isinstance(module, str) and module.split(".")[0] not in _NOT_FOLLOWED
+
+
+class _CodeWalk:
+    """Hashes the code the forward can run: its own, and what it reaches by name (module-level helpers,
+    closures, classes and their methods, functions of imported modules, ``functools.partial`` and
+    decorated functions' ``__wrapped__``), transitively, bounded by :data:`MAX_CALL_DEPTH` and
+    :data:`MAX_FUNCTIONS`; and the values of the simple constants it reads from globals and closures."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self._codes: set[int] = set()
+        self._objects: set[int] = set()
+        self.functions = 0
+        self.truncated = False
+
+    def function(self, fn: Any, depth: int = 0) -> None:
+        while True:  # decorators (functools.wraps), bound methods, static and class methods
+            if isinstance(fn, (staticmethod, classmethod, types.MethodType)):
+                fn = fn.__func__
+            elif isinstance(fn, functools.partial):
+                self._constant("partial", fn.args)
+                fn = fn.func
+            elif isinstance(getattr(fn, "__wrapped__", None), types.FunctionType):
+                self.function(fn.__wrapped__, depth)
+                break
+            else:
+                break
+        if not isinstance(fn, types.FunctionType) or not _followed(fn) or id(fn) in self._objects:
             return
-        seen.add(id(code))
-        digest.update(code.co_code)
-        digest.update(repr(code.co_names).encode())
+        if self.functions >= MAX_FUNCTIONS:
+            self.truncated = True
+            return
+        self._objects.add(id(fn))
+        self.functions += 1
+        names: set[str] = set()
+        self.code(fn.__code__, names)
+        self._constant("defaults", fn.__defaults__)
+        self._constant("kwdefaults", sorted((fn.__kwdefaults__ or {}).items()))
+        if depth >= MAX_CALL_DEPTH:
+            self.truncated = True
+            return
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+            try:
+                self.value(name, cell.cell_contents, names, depth + 1)
+            except ValueError:  # an empty cell
+                continue
+        scope = fn.__globals__
+        for name in sorted(names):
+            if name in scope:
+                self.value(name, scope[name], names, depth + 1)
+
+    def code(self, code: Any, names: set[str]) -> None:
+        if id(code) in self._codes:
+            return
+        self._codes.add(id(code))
+        self.digest.update(code.co_code)
+        self.digest.update(repr(code.co_names).encode())
+        names.update(code.co_names)
         for const in code.co_consts:
             if hasattr(const, "co_code"):
-                add(const)
+                self.code(const, names)
+            elif isinstance(const, frozenset):  # its repr's order follows string hashing, per process
+                self.digest.update(repr(sorted(map(repr, const))).encode())
             else:
-                digest.update(repr(const).encode())
+                self.digest.update(repr(const).encode())
 
-    add(getattr(fn, "__code__", None))
+    def value(self, name: str, value: Any, names: set[str], depth: int) -> None:
+        if isinstance(value, type):
+            self.klass(value, depth)
+        elif isinstance(value, types.ModuleType):
+            if _followed(value) and id(value) not in self._objects:
+                self._objects.add(id(value))
+                for attr in sorted(names):  # module.helper(...): the attributes this code names
+                    member = getattr(value, attr, None)
+                    if member is not None and not isinstance(member, types.ModuleType):
+                        self.value(attr, member, names, depth)
+        elif callable(value):
+            self.function(value, depth)
+        else:
+            self._constant(name, value)
+
+    def klass(self, klass: type, depth: int) -> None:
+        for base in klass.__mro__:
+            if not _followed(base) or id(base) in self._objects:
+                continue
+            self._objects.add(id(base))
+            for attr in vars(base).values():
+                if isinstance(attr, (types.FunctionType, staticmethod, classmethod, property)):
+                    for fn in (attr.fget, attr.fset) if isinstance(attr, property) else (attr,):
+                        if fn is not None:
+                            self.function(fn, depth)
+
+    def _constant(self, name: str, value: Any) -> None:
+        if not isinstance(value, (bool, int, float, complex, str, bytes, tuple, list, type(None))):
+            return  # tensors, objects: their values are not code (the guard and the model digest see some)
+        text = repr(value)
+        if len(text) > _MAX_CONSTANT_REPR:
+            text = f"{type(value).__name__}:{len(text)}"
+        self.digest.update(f"{name}={text}".encode())
+
+
+def _code_digest(fn: Callable[..., Any]) -> str:
+    """A hash of the code ``fn`` runs: its bytecode and constants, what it reaches by name (see
+    :class:`_CodeWalk`), and, for a bound method of an ``nn.Module``, every method of every module class in
+    the model and what those reach."""
+    walk = _CodeWalk()
+    walk.function(fn)
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, torch.nn.Module):
         for module in owner.modules():
-            for klass in type(module).__mro__:
-                # torch's own classes are covered by the torch version, and dynamo rewrites some of their
-                # methods at a process's first compile: hashing them would make the digest depend on what
-                # the process compiled before.
-                if klass.__module__.split(".")[0] in ("torch", "builtins"):
-                    continue
-                for attr in vars(klass).values():
-                    add(getattr(attr, "__code__", None))
-    return digest.hexdigest()
+            walk.klass(type(module), 0)
+    if walk.truncated:
+        logger.debug("devgraph: the code digest stopped at its bounds (%d functions)", walk.functions)
+    return walk.digest.hexdigest()
 
 
 def _model_digest(fn: Callable[..., Any]) -> str:
@@ -120,6 +228,21 @@ def fingerprint(
         "inputs": sorted(inputs),
         "keys": sorted(keys),
     }
+
+
+def keep_triton_kernels(cache_dir: str) -> str:
+    """Where Triton keeps compiled kernels: ``cache_dir/triton`` unless ``TRITON_CACHE_DIR`` is set already.
+
+    torch's cache artifacts carry inductor's own kernels, but not the Triton kernels a model launches itself
+    (the reference model's paged attention), which every fresh machine or container would compile again at
+    its first warm-up. With ``cache_dir`` on a volume that outlives the process, they are kept there too.
+    """
+    chosen = os.environ.get("TRITON_CACHE_DIR")
+    if chosen:
+        return chosen
+    path = str(Path(cache_dir).expanduser().resolve() / "triton")
+    os.environ["TRITON_CACHE_DIR"] = path
+    return path
 
 
 class ArtifactCache:

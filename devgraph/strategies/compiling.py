@@ -33,6 +33,8 @@ from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.errors import ConfigError, RecompileError
 from devgraph.messages import shorten
 from devgraph.strategies.adaptive import AdaptiveCompile
+from devgraph.strategies.regions import RegionalForward, block_forward, repeated_block
+from devgraph.strategies.regions import describe as regional_describe
 
 __all__ = [
     "CompileSession",
@@ -155,22 +157,53 @@ class CompileSession:
         self.cache: Any = None
         self._forward: Callable[..., Any] | None = None
         self._compiled: AdaptiveCompile | None = None
+        self._wrapped: Callable[..., Any] | None = None
+        #: Where Triton keeps its compiled kernels (under ``cache_dir`` unless the user chose), once prepared.
+        self.triton_cache: str | None = None
+        #: The regional compile (:mod:`.regions`): which block, or why none (``None``: not asked for).
+        self.regions: dict[str, Any] | None = None
+        #: Writes into views of the forward's inputs kept in place for inductor (:mod:`.inplace`).
+        self.writes_in_place = 0
 
-    def wrap(self, forward: Callable[..., Any], dynamo_backend: Callable[..., Any]) -> AdaptiveCompile:
+    def wrap(
+        self, forward: Callable[..., Any], dynamo_backend: Callable[..., Any], *, regions: bool = False
+    ) -> Callable[..., Any]:
         """The compiled ``forward`` (compiling happens at its first call). A backend handed on to a runner
-        with another forward compiles that one, with fresh counters and no cache of the old one's."""
+        with another forward compiles that one, with fresh counters and no cache of the old one's.
+
+        ``regions``: compile the model's repeated block once instead of the whole forward
+        (:mod:`.regions`), where the forward is a method of a model that has one."""
         if self._compiled is None or self._forward is not forward:
             self._forward = forward
-            self._compiled = compile_forward(forward, dynamo_backend, self.strategy)
             self.tracker = CompileTracker(self.strategy, self.options.on_recompile)
             self.cache = None
-        return self._compiled
+            self._wrapped = self._compiled = None
+            self.regions = None
+            block = repeated_block(getattr(forward, "__self__", None)) if regions else None
+            if regions and block is None:
+                self.regions = {
+                    "block": None,
+                    "why": "no nn.ModuleList of modules of one class: compiled whole",
+                }
+            if block is not None:
+                name, layers = block
+                self.regions = regional_describe(name, layers)
+                what = f"{self.strategy}'s compiled {type(layers[0]).__name__} block"
+                self._compiled = _Unwrapping(block_forward(layers), dynamo_backend, what, dynamic_args=None)
+                self._wrapped = RegionalForward(forward, layers, self._compiled)
+            else:
+                self._compiled = compile_forward(forward, dynamo_backend, self.strategy)
+                self._wrapped = self._compiled
+        assert self._wrapped is not None
+        return self._wrapped
 
     def prepare(self, inputs: Any, keys: Any, compiler: str | None) -> None:
         """Before the first compile: load the artifacts of an earlier process when ``cache_dir`` is set."""
         if not self.options.cache_dir or self._forward is None or self.cache is not None:
             return
-        from devgraph.strategies.artifacts import ArtifactCache, fingerprint
+        from devgraph.strategies.artifacts import ArtifactCache, fingerprint, keep_triton_kernels
+
+        self.triton_cache = keep_triton_kernels(self.options.cache_dir)
 
         options = {
             "strategy": self.strategy,
@@ -201,6 +234,8 @@ class CompileSession:
         """Why this session's compile cannot be saved as a dynamo-free function, or ``None``."""
         if self.strategy != "full" or compiler != Compiler.INDUCTOR.value:
             return "only full with the inductor compiler is precompiled"
+        if self.regions is not None and self.regions.get("block"):
+            return "a regional compile is kept through torch's cache artifacts only"
         from devgraph.strategies.precompile import precompile_support
 
         return precompile_support(self._forward) if self._forward is not None else "no forward"
@@ -241,9 +276,17 @@ class CompileSession:
         return [note] if note else []
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"compiles": self.tracker.compiles, "recompiles": self.tracker.recompiles}
+        out: dict[str, Any] = {
+            "compiles": self.tracker.compiles,
+            "recompiles": self.tracker.recompiles,
+            "writes_kept_in_place": self.writes_in_place,
+        }
         if self._compiled is not None:
             out.update(self._compiled.describe())
         if self.cache is not None:
             out["artifact_cache"] = self.cache.describe()
+        if self.regions is not None:
+            out["regions"] = self.regions
+        if self.triton_cache is not None:
+            out["triton_cache_dir"] = self.triton_cache
         return out

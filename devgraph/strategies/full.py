@@ -1,8 +1,14 @@
-"""``full``: one device graph per key, the whole forward inside it; optionally compiled first."""
+"""``full``: one device graph per key, the whole forward inside it; optionally compiled first.
+
+With a compiler set, each key is captured twice, compiled and plain, and the faster graph is kept
+(:mod:`devgraph.strategies.choice`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,14 +22,25 @@ from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import BackendUnavailableError
 from devgraph.strategies._base import GraphStrategy
+from devgraph.strategies.choice import (
+    CompileChoice,
+    Kept,
+    PlainOrCompiled,
+    ReplayTimer,
+    agreed_times,
+    time_pair,
+)
 from devgraph.strategies.compiling import (
     CompileSession,
     check_compiler,
     dynamo_availability,
     inductor_compile,
 )
+from devgraph.strategies.inplace import keep_writes_in_place
 
 __all__ = ["FullEntry", "FullGraphBackend"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,7 +67,8 @@ class FullGraphBackend(GraphStrategy):
 
     The fastest replay (one launch per step); every op in the forward, break ops too, must be capturable.
     The usual choice for decode. With ``compiler="inductor"`` the forward is compiled once (dynamic
-    leading dimension; inductor fuses the elementwise kernels) and each key captures the compiled code;
+    leading dimension; inductor fuses the elementwise kernels), each key captures the compiled code and the
+    plain forward, and keeps the faster graph (``keep_compiled`` in the options keeps the compiled one);
     ``compiler="eager"`` traces with dynamo but runs the traced graph as is (for debugging).
     """
 
@@ -62,6 +80,14 @@ class FullGraphBackend(GraphStrategy):
         super().__init__(*args, **kwargs)
         self.compiler = check_compiler(self.options.compiler, "full")
         self.compile = CompileSession("full", self.options, self.platform)
+        self.choice = CompileChoice(
+            "full", keep_compiled=bool(self.options.extra.get("keep_compiled", False))
+        )
+        #: Compile the model's repeated block once instead of the whole forward (:mod:`.regions`).
+        self.regions = bool(self.options.extra.get("regions", False))
+        #: How the two graphs of a key are timed (``None``: the platform's timer); a test sets a stand-in.
+        self.replay_timer: ReplayTimer | None = None
+        self._forwards: PlainOrCompiled | None = None
 
     @classmethod
     def availability(cls, platform: GraphPlatform) -> Availability:
@@ -74,7 +100,11 @@ class FullGraphBackend(GraphStrategy):
         available = dynamo_availability(self.platform)
         if not available:
             raise BackendUnavailableError(f"full with compiler {self.compiler!r}: {available.reason}")
-        return self.compile.wrap(forward, self._dynamo_backend)
+        compiled = self.compile.wrap(forward, self._dynamo_backend, regions=self.regions)
+        forwards = self._forwards
+        if forwards is None or forwards.plain_forward is not forward or forwards.compiled is not compiled:
+            forwards = self._forwards = PlainOrCompiled(forward, compiled)
+        return forwards
 
     def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
         if self.compiler is not None:
@@ -84,6 +114,7 @@ class FullGraphBackend(GraphStrategy):
         self.compile.tracker.compiled()
         if self.compiler == Compiler.EAGER.value:
             return gm
+        self.compile.writes_in_place += keep_writes_in_place(gm)
         return inductor_compile(gm, example_inputs, self.options.inductor_mode)
 
     # -- capture ------------------------------------------------------------------------------------
@@ -96,6 +127,54 @@ class FullGraphBackend(GraphStrategy):
             self.compile.captured()
 
     def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> FullEntry:
+        forwards = self._forwards
+        if self.compiler is None or forwards is None:
+            return self._capture_graph(forward_fn, opaque=False)
+        if not self.choice.trying:
+            with forwards.plain():
+                entry = self._capture_graph(forward_fn, opaque=False)
+            self.choice.record(key, Kept.PLAIN, "abandoned")
+            forwards.kept(forwards.last_signature, Kept.PLAIN)
+            return entry
+        compiled = self._capture_graph(forward_fn, opaque=True)
+        timer = self.replay_timer or (self.platform.time_replays if self.platform.times_replays else None)
+        if timer is None:
+            self.choice.record(key, Kept.COMPILED, "not_timed")
+            return compiled
+        start = time.perf_counter()
+        self.platform.note_outputs(self._pool, compiled.outputs)  # alive while the plain graph is captured
+        try:
+            with forwards.plain():
+                forward_fn()  # the plain forward's own warm-up (its lazy handles), outside any capture
+                plain = self._capture_graph(forward_fn, opaque=False)
+        except Exception as exc:  # noqa: BLE001 - the compiled graph captured: it serves the key
+            logger.warning(
+                "devgraph: full: the plain forward of %s could not be captured for the comparison (%s); "
+                "keeping the compiled graph",
+                key,
+                exc,
+            )
+            self.choice.record(key, Kept.COMPILED, "plain_failed", time.perf_counter() - start)
+            return compiled
+        group = self._process_group()
+        compiled_s, plain_s = time_pair(
+            timer, compiled.graph.replay, plain.graph.replay, fixed=group is not None
+        )
+        compiled_s, plain_s = agreed_times(group, compiled_s, plain_s)
+        choice = self.choice.decide(key, compiled_s, plain_s, time.perf_counter() - start)
+        kept, dropped = (compiled, plain) if choice.kept is Kept.COMPILED else (plain, compiled)
+        dropped.reset()
+        forwards.kept(forwards.last_signature, choice.kept)  # verify() runs what this key's graph runs
+        if not self.choice.trying:
+            forwards.use_plain = True  # the smaller keys' warm-ups run (and compile) nothing compiled
+        return kept
+
+    def _process_group(self) -> Any:
+        """The owning runner's process group (its ranks must choose alike), or ``None``."""
+        owner = self._owner() if self._owner is not None else None
+        return getattr(getattr(owner, "plan", None), "process_group", None)
+
+    def _capture_graph(self, forward_fn: Callable[[], Any], *, opaque: bool) -> FullEntry:
         platform = self.platform
         graph = platform.new_graph()
         platform.capture_begin(graph, self._pool)
@@ -104,19 +183,41 @@ class FullGraphBackend(GraphStrategy):
                 # A compiled forward is captured whole, dynamo's own wrappers (input-mutation copies)
                 # included. dynamo cannot start a frame under the CPU simulator's dispatch mode, so there
                 # the call is recorded as one opaque step (on a device this just calls it).
-                outputs = forward_fn() if self.compiler is None else platform.record_opaque(forward_fn)
+                outputs = platform.record_opaque(forward_fn) if opaque else forward_fn()
         except BaseException:
             platform.abort_capture(graph)
             raise
         platform.capture_end(graph)
         return FullEntry(graph, outputs)
 
+    def release(self, key: GraphKey) -> None:
+        super().release(key)
+        self.choice.forget(key)
+
     def cleanup(self) -> None:
         super().cleanup()
         self.compile.reset()
+        self.choice.reset()
+        if self._forwards is not None:
+            self._forwards.forget()
 
     def capture_notes(self) -> list[str]:
-        return self.compile.notes()
+        return [*self.compile.notes(), *self.choice.notes()]
+
+    def describe_key(self, key: GraphKey) -> dict[str, Any]:
+        out = super().describe_key(key)
+        choice = self.choice.choices.get(key)
+        if out and choice is not None:
+            out["compiled_or_plain"] = choice.describe()
+        return out
 
     def describe(self) -> dict[str, Any]:
-        return {"compiler": self.compiler, **self.compile.describe()}
+        out = {"compiler": self.compiler, **self.compile.describe()}
+        if self.compiler is not None:
+            out["compiled_or_plain"] = self.choice.describe()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        if self.compiler is None:
+            return {}
+        return {"compiled_or_plain": self.choice.summary()}

@@ -29,6 +29,7 @@ from devgraph.strategies.compiling import (
     dynamo_availability,
     inductor_compile,
 )
+from devgraph.strategies.inplace import keep_writes_in_place
 from devgraph.strategies.plan import SegmentedPlan
 
 __all__ = ["TcPiecewiseBackend"]
@@ -158,8 +159,10 @@ class TcPiecewiseBackend(GraphStrategy):
 
     def _dynamo_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.compile.tracker.compiled()
-        split, pieces, breaks = _split_at_breaks(gm)
         inductor = self.compiler == Compiler.INDUCTOR.value
+        if inductor:
+            self.compile.writes_in_place += keep_writes_in_place(gm)
+        split, pieces, breaks = _split_at_breaks(gm)
         examples = _piece_example_inputs(gm, split, pieces) if inductor else {}
         for name in pieces:
             module = getattr(split, name)

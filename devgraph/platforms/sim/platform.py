@@ -107,6 +107,8 @@ class CpuSimPlatform(GraphPlatform):
     device_type: ClassVar[str] = "cpu"
     priority: ClassVar[int] = 0
     detects_host_sync: ClassVar[bool] = True
+    #: A replay re-runs the recorded ops from Python: its time says nothing of a device's.
+    times_replays: ClassVar[bool] = False
 
     def availability(self) -> Availability:
         """Always usable: the simulator needs nothing beyond torch."""
