@@ -102,8 +102,10 @@ class RunnerGraphs:
         bar or per-key log line (the caller logs: a background capture goes key by key)."""
         plan, backend = self.plan, self.backend
         lazy = plan.capture.lazy
-        # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
-        sync = CaptureSync(plan.platform, plan.process_group, plan.phase, keys, backend)
+        # Ranks of a process group (or of a data-parallel group) capture the same keys with the same graph set
+        # and buffers, in step, and fail together (devgraph.ranks).
+        group = plan.process_group if plan.process_group is not None else plan.dp_group
+        sync = CaptureSync(plan.platform, group, plan.phase, keys, backend, buffers=self._buffers.buffers)
         job = CaptureJob(
             phase=plan.phase,
             backend=backend,

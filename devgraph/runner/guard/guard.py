@@ -5,7 +5,8 @@ Armed at capture from an observed eager run (:mod:`~devgraph.runner.guard.observ
 and buffer of the modules the forward reaches (:mod:`~devgraph.runner.guard.reach`), it watches one entry
 per storage: a weak reference whose death is an event, the data pointer, and the paths that led to it.
 Per step (:meth:`AddressGuard.check`): one comparison of the event counter, and an identity check of the
-few links no torch hook reports (closure cells, plain attributes, list and dict items), mapped in C.
+few links no torch hook reports (closure cells, plain and slotted attributes, list and dict items, module
+globals), mapped in C.
 Only after an event does it walk every entry. Weights updated in place (``param.copy_(new)``,
 ``load_state_dict``) keep their storage: the graphs stay valid and nothing fires.
 """
@@ -21,7 +22,7 @@ import torch
 
 from devgraph.errors import ReplayError
 from devgraph.runner.guard import events
-from devgraph.runner.guard.reach import KEPT, Link, Place, Reach
+from devgraph.runner.guard.reach import KEPT, NOT_FOLLOWED, SLOT, Link, Place, Reach
 
 __all__ = ["AddressGuard", "Watched"]
 
@@ -84,6 +85,8 @@ class AddressGuard:
         # Links no hook reports, checked every step by identity: item containers and keys, cells.
         self._items: tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...]] = ((), (), ())
         self._cells: tuple[tuple[Any, ...], tuple[int, ...]] = ((), ())
+        self._slots: tuple[tuple[Any, ...], tuple[str, ...], tuple[int, ...]] = ((), (), ())
+        self._complete = True
 
     @property
     def armed(self) -> bool:
@@ -106,17 +109,23 @@ class AddressGuard:
             )
         self.entries = entries
         self._stale = None
+        self._complete = reached.complete
         self._index_links()
         self._seen_epoch = events.epoch()
 
     def _index_links(self) -> None:
         items: dict[tuple[int, Any], Link] = {}
         cells: dict[int, Link] = {}
+        slots: dict[tuple[int, str], tuple[Any, Link]] = {}
         for entry in self.entries:
             for place in entry.places:
                 for link in place.links:
                     if link.kind == "cell":
                         cells[id(link.owner())] = link
+                    elif link.kind == SLOT:
+                        owner = link.owner()
+                        if owner is not None:
+                            slots[(id(owner), link.key)] = (owner, link)
                     elif not link.hooked and link.kind != KEPT:
                         items[(id(link.container()), link.key)] = link
         self._items = (
@@ -128,11 +137,18 @@ class AddressGuard:
             tuple(link.owner() for link in cells.values()),
             tuple(link.value_id for link in cells.values()),
         )
+        # Slotted holders strongly, as list and dict containers are: a dropped holder is then still checked.
+        self._slots = (
+            tuple(owner for owner, _ in slots.values()),
+            tuple(link.key for _, link in slots.values()),
+            tuple(link.value_id for _, link in slots.values()),
+        )
 
     def disarm(self) -> None:
         self.entries = []
         self._items = ((), (), ())
         self._cells = ((), ())
+        self._slots = ((), (), ())
         self._stale = None
 
     # -- per step -----------------------------------------------------------------------------------
@@ -158,6 +174,15 @@ class AddressGuard:
                 now = ()
             if now != cell_ids:
                 self.full_check()
+                return
+        owners, names, slot_ids = self._slots
+        if owners:
+            try:
+                now = tuple(map(id, map(getattr, owners, names)))
+            except AttributeError:  # a slot emptied (del holder.cache)
+                now = ()
+            if now != slot_ids:
+                self.full_check()
 
     def full_check(self) -> None:
         """Check every entry (after an event); raise naming what changed."""
@@ -181,6 +206,9 @@ class AddressGuard:
         return {
             "watched": len(self.entries),
             "named": sum(bool(e.places) for e in self.entries),
-            "per_step_links": len(self._items[0]) + len(self._cells[0]),
+            "per_step_links": len(self._items[0]) + len(self._cells[0]) + len(self._slots[0]),
             "stale": self._stale,
+            # The walk stopped at a bound: tensors past it are watched by storage only, never by name.
+            "complete": self._complete,
+            "not_followed": list(NOT_FOLLOWED),
         }
