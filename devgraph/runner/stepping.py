@@ -205,11 +205,11 @@ class Stepper:
             if count:
                 stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
             return self.eager(context, variant, inputs)
-        if self.guard is not None:
-            self.guard.check()
         graphs = self.sets.for_decision(decision)
         if self.plan.capture.lazy:
             graphs.lazy.lookup(key, count)
+        if self.guard is not None:  # after a lazy capture, which records the key's host values
+            self.guard.check(key, context)
         self.buffers.stage(step.counts, key, inputs)
         backend = graphs.backend
         pool = self.pool

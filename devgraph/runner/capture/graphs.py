@@ -64,6 +64,9 @@ class RunnerGraphs:
         self.notes: list[str] = []
         #: Runs the next capture's first warm-up under the address guard's observation (then unset).
         self.observe: Callable[[GraphKey, Mapping[str, Any]], bool] | None = None
+        #: Wraps the plan's capture context so that each capture notes the host values it reads (the
+        #: address guard's value check, devgraph.runner.guard.values).
+        self.wrap_context: Callable[[Any], Any] | None = None
         self.lazy = LazyGraphs(
             plan.capture.lazy_policy,
             stats,
@@ -114,7 +117,9 @@ class RunnerGraphs:
             inputs_for=lambda key: {**self._buffers.views(key), **key.variant_dict},
             warmup_iters=plan.capture.warmup_iters,
             max_size=plan.schedule.max_tokens,
-            capture_context=plan.capture.context,
+            capture_context=(
+                self.wrap_context(plan.capture.context) if self.wrap_context else plan.capture.context
+            ),
             barrier=sync.barrier,
             ready=sync.ready,
             on_captured=self._layout.observe,

@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ReplayError
+from devgraph.contract.keys import GraphKey
+from devgraph.errors import CaptureError, ReplayError
+from devgraph.messages import ADVICE_ATTRIBUTE, CAUSE_ATTRIBUTE
 from devgraph.runner.guard import events
 from devgraph.runner.guard.reach import KEPT, NOT_FOLLOWED, SLOT, Link, Place, Reach
+from devgraph.runner.guard.values import SANITIZE_ENV, HostValues
 
 __all__ = ["AddressGuard", "Watched"]
 
@@ -77,9 +80,12 @@ def _facts(tensor: torch.Tensor) -> str:
 class AddressGuard:
     """Watches the tensors a runner's graphs use; :meth:`check` before each replay."""
 
-    def __init__(self, phase: str) -> None:
+    def __init__(self, phase: str, host_device: bool = False) -> None:
         self.phase = phase
         self.entries: list[Watched] = []
+        #: The host values each key's capture read from the forward context (``host_device``: the runner's
+        #: device is not the CPU, so CPU tensors there are host data).
+        self.values = HostValues(phase, host_device)
         self._seen_epoch = -1
         self._stale: str | None = None
         # Links no hook reports, checked every step by identity: item containers and keys, cells.
@@ -96,8 +102,21 @@ class AddressGuard:
         self, reached: Reach, observed: Mapping[int, tuple[torch.Tensor, str]], exclude: set[int]
     ) -> None:
         """Watch every storage ``observed`` used and every module tensor ``reached``, except ``exclude``
-        (the runner's own static buffers)."""
-        wanted = (set(observed) | reached.module_tensors) - exclude - {0}
+        (the runner's own static buffers). Raises :class:`CaptureError` for what the observed run showed
+        a graph would replay wrongly (:class:`~devgraph.runner.guard.observe.Hazard`), unless the sanitizer
+        is off."""
+        hazards = getattr(observed, "hazards", ())
+        if hazards and self.values.enabled:
+            hazard = hazards[0]
+            error = CaptureError(f"{hazard.what} ({hazard.cause}; {SANITIZE_ENV}=0 turns this check off)")
+            setattr(error, CAUSE_ATTRIBUTE, hazard.cause)
+            setattr(error, ADVICE_ATTRIBUTE, hazard.advice)
+            raise error
+        events.install()  # a guard that watches no module still hears of storages resized in place
+        # Tensors reached by name count when the observed run used them: made before it, or made by it and
+        # kept (a lazily made workspace in a module global), besides every parameter and buffer.
+        kept = set(reached.tensors) & getattr(observed, "made", frozenset())
+        wanted = (set(observed) | reached.module_tensors | kept) - exclude - {0}
         entries = []
         for ptr in sorted(wanted):
             tensor, seen = observed.get(ptr, (reached.tensors.get(ptr), None))
@@ -145,6 +164,7 @@ class AddressGuard:
         )
 
     def disarm(self) -> None:
+        self.values.forget()
         self.entries = []
         self._items = ((), (), ())
         self._cells = ((), ())
@@ -152,8 +172,16 @@ class AddressGuard:
         self._stale = None
 
     # -- per step -----------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise :class:`ReplayError` naming what moved, if anything did; cheap when nothing happened."""
+    def check(self, key: GraphKey | None = None, context: Any = None) -> None:
+        """Raise :class:`ReplayError` naming what moved, if anything did, or (given the ``key`` about to
+        replay) which host value the live ``context`` holds differently from its capture; cheap when
+        nothing happened."""
+        self.check_addresses()
+        if key is not None:
+            self.values.check(key, context)
+
+    def check_addresses(self) -> None:
+        """The address part of :meth:`check`."""
         if self._seen_epoch != events.epoch() or self._stale is not None:
             self.full_check()
             return
@@ -211,4 +239,5 @@ class AddressGuard:
             # The walk stopped at a bound: tensors past it are watched by storage only, never by name.
             "complete": self._complete,
             "not_followed": list(NOT_FOLLOWED),
+            "host_values": self.values.describe(),
         }
