@@ -78,11 +78,13 @@ def check_sizes(found: dict[int, Any]) -> None:
         captured, agreed = result["capture"], result["agree"]
         assert captured is not None and captured["type"] == "CaptureError", (rank, result)
         assert "different decode keys" in captured["message"] and "rank 1" in captured["message"], captured
-        assert captured["seconds"] < 1.0, captured
+        # Found at the first handshake, not by a timeout: well under the 10 s rank timeout the ranks run with
+        # (the time includes capture's own set-up, a gc collection and the guard's walk, on a loaded host).
+        assert captured["seconds"] < 5.0, captured
         assert agreed is not None and agreed["type"] == "ReplayError", (rank, result)
         assert "hold different keys" in agreed["message"], agreed
         assert "tokens=3" in agreed["message"] and "tokens=2" in agreed["message"], agreed  # both listed
-        assert agreed["seconds"] < 1.0, agreed
+        assert agreed["seconds"] < 5.0, agreed
         assert result["same_key"] == "tokens=4,requests=4", result
 
 

@@ -191,7 +191,8 @@ def agreement_way() -> str:
 
 def _is_nccl(group: Any) -> bool:
     try:
-        return str(torch.distributed.get_backend(group)).lower() == "nccl"
+        # "nccl", or a device map such as "cpu:gloo,cuda:nccl" for a group built with both
+        return "nccl" in str(torch.distributed.get_backend(group)).lower()
     except (RuntimeError, ValueError):
         return False
 
