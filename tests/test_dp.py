@@ -18,7 +18,7 @@ from ranks_launch import launch_ranks
 
 from devgraph import GraphRunner, StaticInput
 from devgraph.errors import ConfigError, InputError
-from devgraph.ranks import agree_counts, keys_code, variant_code
+from devgraph.ranks import AGREEMENT_ENV, agree_counts, keys_code, transport_name, variant_code
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 #: The keys both ranks replay per step (tests/dp_worker.py's STEPS: the larger batch, padded up).
@@ -146,3 +146,16 @@ def test_nccl_ranks_with_different_batches_replay_one_agreed_key(tmp_path):
     for result in _scenario(found, "cost"):
         assert result["iters"] == 500  # the cost itself is a measurement (issue 30's target), not a test
         assert result["transport"] == "device", result  # NCCL group: the agreement runs on the device
+
+
+def test_where_the_agreement_runs_is_chosen_by_the_group_and_the_switch(monkeypatch):
+    from devgraph.ranks.transport import agreement_way, transport_for
+
+    assert transport_name(None) == "host"  # no NCCL group here: the gloo control group
+    monkeypatch.setenv(AGREEMENT_ENV, "sideways")
+    with pytest.raises(ConfigError, match="DEVGRAPH_DP_AGREEMENT must be one of auto, host, device"):
+        agreement_way()
+    monkeypatch.setenv(AGREEMENT_ENV, "device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs a CUDA device and a NCCL process group"):
+            transport_for(None, 7)

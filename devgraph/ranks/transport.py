@@ -209,10 +209,10 @@ def transport_for(group: Any, width: int) -> Transport:
     """The transport for ``group``'s agreement (see the module docstring)."""
     if transport_name(group) == "host":
         return HostTransport(group)
-    if not _is_nccl(group):
+    if torch.cuda.is_available() and not _is_nccl(group):
         raise ConfigError(
             f"{AGREEMENT_ENV}=device runs the agreement on NCCL; this data-parallel group's backend is "
-            f"{torch.distributed.get_backend(group)} (use {AGREEMENT_ENV}=host)"
+            f"not NCCL (use {AGREEMENT_ENV}=host)"
         )
     return DeviceTransport(group, width)
 
