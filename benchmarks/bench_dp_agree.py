@@ -1,9 +1,10 @@
-"""The cost of data-parallel key agreement per step: ``runner.agree()`` (one all-reduce of a few int64 on the
-group's gloo control group) next to the tensor-parallel lock-step check (an all-gather) and a bare gloo
-all-reduce, on ranks launched here.
+"""The cost of data-parallel key agreement per step: ``runner.agree()`` on the device (one NCCL all-reduce
+of a few int64 on a communicator of its own, issue 30) and on the host (gloo control group), next to the bare
+collectives under them and the tensor-parallel lock-step check, on ranks launched here. Every agreement's
+answer is checked against the largest counts of the step in the same run.
 
-    python benchmarks/bench_dp_agree.py                       # 2 ranks on the CPU (gloo over the simulator)
-    python benchmarks/bench_dp_agree.py --device cuda         # 2 GPUs: NCCL group, agreement on gloo
+    python benchmarks/bench_dp_agree.py                       # 2 ranks on the CPU (gloo; host path only)
+    python benchmarks/bench_dp_agree.py --device cuda         # 2 GPUs: NCCL group, device and host paths
     python benchmarks/bench_dp_agree.py --ranks 4 --iters 5000 --out results.json
 
 Writes ``$OUT/dp-agree.json`` (or ``--out``; default ``benchmarks/results/<cpu|h100...>-dp-agree.json``):
@@ -56,11 +57,28 @@ def _timed(call: Any, iters: int, warmup: int = 50) -> dict[str, float]:
     return _summary(times)
 
 
+def _agreement_timings(runner: Any, rank: int, world: int, iters: int) -> dict[str, Any]:
+    """``runner.agree()`` per step, each answer checked: every rank's count of step ``i`` is known here,
+    so the agreed key must hold the largest of them."""
+    wrong = 0
+
+    def call(i: int) -> None:
+        nonlocal wrong
+        counts = [1 + (i * 7 + r * 3) % 16 for r in range(world)]
+        agreement = runner.agree(counts[rank])
+        if agreement.key is None or agreement.key.tokens < max(counts):
+            wrong += 1
+
+    timings = _timed(call, iters)
+    return {**timings, "wrong_answers": wrong}
+
+
 def rank_main(args: argparse.Namespace) -> int:
     from devgraph import ranks
     from devgraph.reference import ReferenceConfig, ReferenceModel, decode_runner
 
     rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -70,23 +88,38 @@ def rank_main(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
     group = dist.group.WORLD
     model = ReferenceModel(ReferenceConfig.preset("tiny"), device=device, seed=0)
-    runner = decode_runner(model, mode="full", sizes=[1, 2, 4, 8, 16], dp_group=group, progress=False)
-    runner.capture()
+    ways = ["device", "host"] if args.device == "cuda" else ["host"]
+    found: dict[str, Any] = {"rank": rank}
+    for way in ways:
+        os.environ[ranks.AGREEMENT_ENV] = way  # read when the runner's first agreement picks its transport
+        runner = decode_runner(model, mode="full", sizes=[1, 2, 4, 8, 16], dp_group=group, progress=False)
+        runner.capture()
+        # The whole per-step cost an engine pays: counts, one all-reduce, routing the largest counts.
+        found[f"agree_{way}"] = _agreement_timings(runner, rank, world, args.iters)
+        found[f"agree_{way}"]["transport"] = ranks.transport_name(group)
+        runner.close()
     control = ranks.control_group(group)
-    message = torch.zeros(5, dtype=torch.int64)
+    message = torch.zeros(7, dtype=torch.int64)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX
-    found = {
-        "rank": rank,
-        # The whole per-step cost an engine pays: counts, one all-reduce, routing the largest counts.
-        "agree": _timed(lambda i: runner.agree(1 + (i * 7 + rank * 3) % 16), args.iters),
-        # The same message on the same gloo group, without devgraph around it.
-        "gloo_allreduce": _timed(lambda i: control.allreduce([message], options).wait(), args.iters),
-        # The tensor-parallel check (an all-gather of one int64), for comparison.
-        "lockstep_check": _timed(lambda i: ranks.assert_same_key(group, runner.keys[0]), args.iters),
-    }
+    # The same message on the same gloo group, without devgraph around it.
+    found["gloo_allreduce"] = _timed(lambda i: control.allreduce([message], options).wait(), args.iters)
+    if args.device == "cuda":
+        on_device = message.to(device)
+
+        def bare_nccl(i: int) -> None:  # the floor: an all-reduce on the device and one sync
+            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+            on_device.cpu()
+
+        found["nccl_allreduce"] = _timed(bare_nccl, args.iters)
+    keys_runner = decode_runner(
+        model, mode="full", sizes=[1, 2, 4, 8, 16], process_group=group, progress=False
+    )
+    keys_runner.capture()
+    # The tensor-parallel check (an all-gather of one int64), for comparison.
+    found["lockstep_check"] = _timed(lambda i: ranks.assert_same_key(group, keys_runner.keys[0]), args.iters)
+    keys_runner.close()
     Path(args.rank_out, f"rank{rank}.json").write_text(json.dumps(found))
-    runner.close()
     ranks.destroy_process_group()
     return 0
 
@@ -122,7 +155,8 @@ def main() -> int:
         name = torch.cuda.get_device_name(0)
         tag = "h100" if "H100" in name else ("h200" if "H200" in name else "gpu")
         label = (
-            f"{name} x{args.ranks}: NCCL process group; devgraph's control group (gloo, loopback) carries it"
+            f"{name} x{args.ranks}: NCCL process group; agree_device on devgraph's own NCCL communicator, "
+            "agree_host on its gloo control group (loopback)"
         )
     else:
         name, tag = "cpu", "cpu"
@@ -140,15 +174,30 @@ def main() -> int:
         "iters": args.iters,
         "exit_codes": codes,
         "per_rank": per_rank,
-        "agree_median_us": max(r["agree"]["median_us"] for r in per_rank),
+        "agree_median_us": {
+            way: max(r[f"agree_{way}"]["median_us"] for r in per_rank)
+            for way in ("device", "host")
+            if f"agree_{way}" in per_rank[0]
+        },
+        "wrong_answers": sum(
+            r[f"agree_{w}"]["wrong_answers"]
+            for r in per_rank
+            for w in ("device", "host")
+            if f"agree_{w}" in r
+        ),
+        "target_us": 50,
     }
     default = Path(os.environ["OUT"], "dp-agree.json") if os.environ.get("OUT") else None
     target = (
         Path(args.out) if args.out else default or Path(__file__).parent / "results" / f"{tag}-dp-agree.json"
     )
     target.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"agree(): median {report['agree_median_us']:.1f} us per step (slowest rank); wrote {target}")
-    return 0 if all(c == 0 for c in codes) else 1
+    medians = ", ".join(f"{way} {us:.1f} us" for way, us in report["agree_median_us"].items())
+    print(
+        f"agree(): median per step (slowest rank): {medians}; wrong answers {report['wrong_answers']}; "
+        f"wrote {target}"
+    )
+    return 0 if all(c == 0 for c in codes) and report["wrong_answers"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -4,10 +4,36 @@ devgraph, so every layer, and every plug-in, may use it."""
 
 from __future__ import annotations
 
-__all__ = ["HOST_SYNC", "HOST_SYNC_ADVICE", "describe_error", "kind", "shorten"]
+__all__ = [
+    "ADVICE_ATTRIBUTE",
+    "CAUSE_ATTRIBUTE",
+    "HOST_SYNC",
+    "HOST_SYNC_ADVICE",
+    "capture_oom",
+    "describe_error",
+    "kind",
+    "shorten",
+]
 
 #: The cause every platform names when a capture fails on a host sync or a call a graph cannot hold.
 HOST_SYNC = "an op synchronized with the host or used a non-capturable API"
+#: The attribute a platform sets on an error it recognised (``"out_of_memory"``): the capture advice then
+#: follows that cause, whatever the error's own text says.
+CAUSE_ATTRIBUTE = "devgraph_cause"
+#: Beside it, the advice for a cause the capture advice does not know (what the sanitizer found).
+ADVICE_ATTRIBUTE = "devgraph_advice"
+
+
+def capture_oom(error: BaseException, failures: int) -> str:
+    """What a capture that ran out of memory says, when the device reported something else after the
+    allocator failed (torch turns an out-of-memory during capture into an invalidated capture)."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (
+        f"the device ran out of memory during capture ({failures} failed allocation(s) while capturing; "
+        f"the device then reported: {first[:200]})"
+    )
+
+
 #: What to do about it; the capture advice and each platform's translated error add what is their own.
 HOST_SYNC_ADVICE = (
     "remove host reads (.item(), .tolist(), .cpu(), bool(tensor), printing) and data-dependent shapes "

@@ -115,14 +115,54 @@ def scenario_cost(ctx: dict[str, Any]) -> dict[str, Any]:
         runner.agree(1 + (i + rank) % 8)
         times.append(time.perf_counter() - t0)
     runner.close()
+    from devgraph import ranks
+
     return {
+        "transport": ranks.transport_name(dist.group.WORLD),
         "iters": len(times),
         "median_us": statistics.median(times) * 1e6,
         "p90_us": sorted(times)[int(0.9 * len(times))] * 1e6,
     }
 
 
-SCENARIOS = {"agree": scenario_agree, "collective": scenario_collective, "cost": scenario_cost}
+def _raised(call: Any) -> dict[str, Any] | None:
+    """What ``call()`` raised (type, message, seconds it took), or ``None``."""
+    start = time.perf_counter()
+    try:
+        call()
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - start}
+    return None
+
+
+def scenario_sizes(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Ranks built with different sizes (issue 27: [1, 2, 4, 8] and [1, 3, 8]) fail on every rank: before
+    the first warm-up of capture(), and at a lazily capturing runner's first agreement (no capture to
+    compare at), within a second, never replaying different keys."""
+    model, rank = ctx["model"], ctx["rank"]
+    group = dist.group.WORLD
+    # Same sizes first (and the control group built): the same checks pass, no false alarm, one key.
+    same = decode_runner(model, mode=ctx["mode"], sizes=[1, 2, 4, 8], dp_group=group, progress=False)
+    same.capture()
+    agreement = same.agree(1 + 2 * rank)
+    same.close()
+    sizes = [1, 2, 4, 8] if rank == 0 else [1, 3, 8]
+    runner = decode_runner(model, mode=ctx["mode"], sizes=sizes, dp_group=group, progress=False)
+    captured = _raised(runner.capture)
+    runner.close()
+    lazy = decode_runner(model, mode=ctx["mode"], sizes=sizes, dp_group=group, progress=False, lazy=True)
+    lazy.capture()
+    agreed = _raised(lambda: lazy.agree(4 - rank))  # rank 0 would replay tokens=4, rank 1 tokens=3
+    lazy.close()
+    return {"capture": captured, "agree": agreed, "same_key": str(agreement.key)}
+
+
+SCENARIOS = {
+    "agree": scenario_agree,
+    "collective": scenario_collective,
+    "cost": scenario_cost,
+    "sizes": scenario_sizes,
+}
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from ranks_launch import launch_ranks
 
 from devgraph import GraphRunner, StaticInput
 from devgraph.errors import ConfigError, InputError
-from devgraph.ranks import agree_counts, variant_code
+from devgraph.ranks import AGREEMENT_ENV, agree_counts, keys_code, transport_name, variant_code
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 #: The keys both ranks replay per step (tests/dp_worker.py's STEPS: the larger batch, padded up).
@@ -72,9 +72,25 @@ def check_collective(found: dict[int, Any]) -> None:
         assert result["sums"] == [[float(world)]] * 3 and result["replays"] == 3, result
 
 
+def check_sizes(found: dict[int, Any]) -> None:
+    """Issue 27: ranks built with [1, 2, 4, 8] and [1, 3, 8] fail on every rank, each naming both."""
+    for rank, result in enumerate(_scenario(found, "sizes")):
+        captured, agreed = result["capture"], result["agree"]
+        assert captured is not None and captured["type"] == "CaptureError", (rank, result)
+        assert "different decode keys" in captured["message"] and "rank 1" in captured["message"], captured
+        # Found at the first handshake, not by a timeout: well under the 10 s rank timeout the ranks run with
+        # (the time includes capture's own set-up, a gc collection and the guard's walk, on a loaded host).
+        assert captured["seconds"] < 5.0, captured
+        assert agreed is not None and agreed["type"] == "ReplayError", (rank, result)
+        assert "hold different keys" in agreed["message"], agreed
+        assert "tokens=3" in agreed["message"] and "tokens=2" in agreed["message"], agreed  # both listed
+        assert agreed["seconds"] < 5.0, agreed
+        assert result["same_key"] == "tokens=4,requests=4", result
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    return launch_ranks(WORKER, "agree,collective", tmp_path_factory.mktemp("dp"))
+    return launch_ranks(WORKER, "agree,collective,sizes", tmp_path_factory.mktemp("dp"))
 
 
 def test_ranks_with_different_batches_replay_one_agreed_key(cpu_run):
@@ -83,6 +99,10 @@ def test_ranks_with_different_batches_replay_one_agreed_key(cpu_run):
 
 def test_a_collective_inside_the_graph_pairs_up_across_ranks(cpu_run):
     check_collective(cpu_run)
+
+
+def test_ranks_built_with_different_sizes_fail_on_every_rank(cpu_run):
+    check_sizes(cpu_run)
 
 
 def test_the_ranks_exit_cleanly(cpu_run):
@@ -97,6 +117,8 @@ def test_without_a_group_the_counts_come_back_as_they_are():
     assert variant_code({}) == 0 and variant_code({"a": 1}) == variant_code({"a": 1}) != variant_code(
         {"a": 2}
     )
+    assert keys_code([]) == 0 and keys_code(["tokens=1", "tokens=2"]) == keys_code(["tokens=2", "tokens=1"])
+    assert keys_code(["tokens=1", "tokens=2"]) != keys_code(["tokens=1", "tokens=3"])
 
 
 def test_agree_needs_a_group_and_the_steps_counts():
@@ -113,12 +135,27 @@ def test_agree_needs_a_group_and_the_steps_counts():
 @pytest.mark.multi_gpu
 def test_nccl_ranks_with_different_batches_replay_one_agreed_key(tmp_path):
     found = launch_ranks(
-        WORKER, "agree,collective,cost", tmp_path, device="cuda", limit=300, extra=("--iters", "500")
+        WORKER, "agree,collective,sizes,cost", tmp_path, device="cuda", limit=300, extra=("--iters", "500")
     )
     target = os.environ.get("DEVGRAPH_DP_RESULTS")
     if target:
         Path(target).write_text(json.dumps(found, indent=1, default=str))
     check_agree(found)
     check_collective(found)
+    check_sizes(found)
     for result in _scenario(found, "cost"):
-        assert result["iters"] == 500  # the cost itself is a measurement (issue 23's target), not a test
+        assert result["iters"] == 500  # the cost itself is a measurement (issue 30's target), not a test
+        assert result["transport"] == "device", result  # NCCL group: the agreement runs on the device
+
+
+def test_where_the_agreement_runs_is_chosen_by_the_group_and_the_switch(monkeypatch):
+    from devgraph.ranks.transport import agreement_way, transport_for
+
+    assert transport_name(None) == "host"  # no NCCL group here: the gloo control group
+    monkeypatch.setenv(AGREEMENT_ENV, "sideways")
+    with pytest.raises(ConfigError, match="DEVGRAPH_DP_AGREEMENT must be one of auto, host, device"):
+        agreement_way()
+    monkeypatch.setenv(AGREEMENT_ENV, "device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs a CUDA device and a NCCL process group"):
+            transport_for(None, 7)

@@ -3,6 +3,8 @@ the graphs valid, and ``refresh()`` captures again on the new tensors."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gc
 
 import pytest
@@ -351,3 +353,124 @@ def test_an_attribute_rebound_on_purpose_is_not_reported():
     holder.scale = torch.ones(4)  # not listed in __devgraph_rebinds__: reported
     with pytest.raises(ReplayError, match=r"holder\.scale .* was replaced"):
         runner.run(x=torch.ones(2, 4))
+
+
+# -- every place a module can hold a tensor (issue 27) ---------------------------------------------------
+class PrivateCache(nn.Module):
+    """A module keeping its cache in a ``_``-named plain attribute (not a registered buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kv_cache = torch.ones(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self._kv_cache
+
+
+@pytest.mark.parametrize("as_module", [False, True], ids=["bound_forward", "module"])
+def test_a_cache_recreated_in_a_private_module_attribute_is_named(as_module):
+    model = PrivateCache()
+    forward = model if as_module else model.forward
+    runner = GraphRunner(forward, phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES)
+    runner.capture()
+    assert runner.inspect()["address_guard"]["named"] == 1
+    model._kv_cache = torch.randn(4)  # what an engine's reset does; replaying would read the old cache
+    with pytest.raises(ReplayError, match=r"PrivateCache\._kv_cache \(\[4\] float32\) was replaced"):
+        runner.run(x=torch.ones(2, 4))
+    runner.refresh()
+    torch.testing.assert_close(runner.run(x=torch.ones(2, 4)), torch.ones(2, 4) * model._kv_cache)
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedHolder:
+    cache: torch.Tensor
+
+
+def test_a_cache_held_by_a_slotted_dataclass_is_named():
+    holder = SlottedHolder(torch.ones(4))
+    runner = GraphRunner(
+        lambda x: x * holder.cache, phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES
+    )
+    runner.capture()
+    runner.run(x=torch.ones(2, 4))
+    holder.cache = torch.randn(4)
+    with pytest.raises(ReplayError, match=r"holder\.cache .* was replaced"):
+        runner.run(x=torch.ones(2, 4))
+    del holder.cache  # an emptied slot
+    with pytest.raises(ReplayError, match=r"holder\.cache is gone"):
+        runner.check_addresses()
+
+
+#: Module globals a helper of the forward reads (a lazily made workspace, a cache table).
+_WORKSPACE = torch.ones(4)
+_TABLES = {"scale": torch.ones(4)}
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * _WORKSPACE + _TABLES["scale"]
+
+
+class CallsHelpers(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._inner(x)
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        return _scaled(x)
+
+
+@pytest.mark.parametrize(
+    "forward",
+    [
+        lambda x: _scaled(x),
+        functools.partial(lambda x, k: _scaled(x) * k, k=1.0),
+        CallsHelpers().forward,
+        CallsHelpers(),
+    ],
+    ids=["closure_calls_helper", "partial", "method_calls_method", "module"],
+)
+def test_globals_a_helper_of_the_forward_reads_are_named(forward):
+    global _WORKSPACE
+    runner = GraphRunner(forward, phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES)
+    runner.capture()
+    assert runner.inspect()["address_guard"]["named"] == 2
+    old = _WORKSPACE
+    try:
+        _WORKSPACE = torch.randn(4)  # the helper's workspace re-made (a library's lazily built buffer)
+        with pytest.raises(ReplayError, match=r"_WORKSPACE \(\[4\] float32\) was replaced"):
+            runner.run(x=torch.ones(2, 4))
+        _WORKSPACE = old
+        runner.check_addresses()
+        _TABLES["scale"] = torch.randn(4)
+        with pytest.raises(ReplayError, match=r"_TABLES\['scale'\] .* was replaced"):
+            runner.run(x=torch.ones(2, 4))
+    finally:
+        _WORKSPACE, _TABLES["scale"] = old, torch.ones(4)
+
+
+def test_what_the_guard_does_not_follow_is_listed():
+    runner = GraphRunner(
+        lambda x: x * 2, phase="decode", inputs=INPUTS, device="cpu", mode="full", sizes=SIZES
+    )
+    runner.capture()
+    described = runner.inspect()["address_guard"]
+    assert described["complete"] is True
+    assert any("properties" in line for line in described["not_followed"])
+
+
+def test_the_walk_skips_standard_library_machinery_an_engine_holds():
+    import logging
+    import threading
+
+    class Engine:
+        def __init__(self) -> None:
+            self.log = logging.getLogger("devgraph.test")
+            self.lock = threading.Lock()
+            self.weight = torch.ones(4)
+
+        def step(self, x: torch.Tensor) -> torch.Tensor:
+            with self.lock:
+                return x * self.weight
+
+    engine = Engine()
+    found = reach(engine.step)
+    assert found.complete and len(found.places) == 1

@@ -19,6 +19,7 @@ from conftest import chained_breaks
 import devgraph
 from devgraph import CaptureError, GraphKey, GraphRunner, RecompileError, StaticInput, graph_break
 from devgraph.contract.keys import REQUESTS
+from devgraph.errors import ReplayError
 from devgraph.reference import (
     ReferenceConfig,
     ReferenceModel,
@@ -272,11 +273,17 @@ class Ctx:
         self.scale = scale
 
 
+class StaticCtx(Ctx):
+    """A context whose ``scale`` a graph may keep from its capture (declared static)."""
+
+    __devgraph_static__ = ("scale",)
+
+
 def _scaled_forward(x: torch.Tensor) -> torch.Tensor:
     return scale_by_context(x + 1) * 2
 
 
-def _runner(mode: str) -> GraphRunner:
+def _runner(mode: str, context: type[Ctx] = Ctx) -> GraphRunner:
     return GraphRunner(
         _scaled_forward,
         phase="prefill",
@@ -284,7 +291,7 @@ def _runner(mode: str) -> GraphRunner:
         sizes=[4],
         device="cpu",
         inputs={"x": StaticInput(torch.float32)},
-        capture_context=lambda key: Ctx(1.0),
+        capture_context=lambda key: context(1.0),
     )
 
 
@@ -301,11 +308,18 @@ def test_break_op_reads_live_context_at_replay(mode):
 
 
 def test_full_graph_bakes_break_op_in_with_capture_time_context():
-    """Why break ops exist: under ``full`` the op is inside the graph and never sees the live context."""
+    """Why break ops exist: under ``full`` the op is inside the graph and never sees the live context; a
+    replay whose context holds another value is refused (it would compute with the capture's), one whose
+    value is declared static replays the capture's on purpose."""
     runner = _runner("full")
     runner.capture()
     x = torch.arange(4.0)
-    out = runner.run(4, Ctx(3.0), x=x)
+    with pytest.raises(ReplayError, match=r"baked in a host value.*context\.scale was 1\.0 at capture"):
+        runner.run(4, Ctx(3.0), x=x)
+    torch.testing.assert_close(runner.run(4, Ctx(1.0), x=x), (x + 1) * 1.0 * 2)
+    static = _runner("full", StaticCtx)
+    static.capture()
+    out = static.run(4, Ctx(3.0), x=x)
     torch.testing.assert_close(out, (x + 1) * 1.0 * 2)
 
 

@@ -82,7 +82,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
         Row(
             ("devgraph.ranks.*",),
             "what a runner needs from `torch.distributed`: rank, the capture handshake, the per-step key "
-            "check, data-parallel key agreement (`dp.py`), teardown",
+            "check, data-parallel key agreement (`dp.py`; on the device or the gloo control group: "
+            "`transport.py`), teardown",
         ),
     ),
     (
@@ -114,7 +115,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
             "and its graph sets (`sets.py`: primary and fallback), shared pools (`pool.py`), advice per "
             "failure, the layout probe, the probe for undeclared state, the lazily captured cache, capture "
             "in the background key by key (`background.py`, `pending.py`)); `guard/` (the address guard: "
-            "events, paths to tensors, the observed run); `outputs/` (pytree helpers, the output layout)",
+            "events, paths to tensors, the observed run and the hazards it shows, host values baked at "
+            "capture (`values.py`): the sanitizer); `outputs/` (pytree helpers, the output layout)",
         ),
     ),
     (

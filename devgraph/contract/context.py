@@ -13,6 +13,8 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 __all__ = [
+    "CaptureView",
+    "STATIC_VALUES",
     "forward_context",
     "get_forward_context",
     "is_capturing",
@@ -22,9 +24,34 @@ __all__ = [
 ]
 
 
+#: The class attribute (or, for a mapping, the key) naming a context's values that may differ between
+#: capture and replay on purpose: ``__devgraph_static__ = ("page_size", "attn.workspace")``. The graphs
+#: replay what the capture read for them, and nothing checks it (docs/sanitizer.md).
+STATIC_VALUES = "__devgraph_static__"
+
+
+class CaptureView:
+    """A capture-time context that shows model code another object while a graph is being captured.
+
+    The runner hands one to :func:`forward_context` at capture: outside the capture itself (warm-ups, break
+    ops running eagerly) :func:`get_forward_context` returns :attr:`target`, inside it
+    :meth:`during_capture` (a view that notes what the forward read, so a replay whose live context holds
+    other values can be stopped: devgraph.runner.guard.values).
+    """
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def during_capture(self) -> Any:
+        return self.target
+
+
 class _State(threading.local):
     def __init__(self) -> None:
         self.context: Any = None
+        self.view: CaptureView | None = None
         self.capturing = False
         self.replaying = False
 
@@ -34,6 +61,9 @@ _state = _State()
 
 def get_forward_context() -> Any:
     """The per-step context object handed to ``GraphRunner.run(context=...)``, or ``None``."""
+    view = _state.view
+    if view is not None and _state.capturing:
+        return view.during_capture()
     return _state.context
 
 
@@ -49,13 +79,17 @@ def is_replaying() -> bool:
 
 @contextmanager
 def forward_context(context: Any) -> Iterator[Any]:
-    """Install ``context`` as the live forward context for the enclosed code."""
-    previous = _state.context
-    _state.context = context
+    """Install ``context`` as the live forward context for the enclosed code (a :class:`CaptureView`:
+    its target, seen through the view while a graph is captured)."""
+    previous = _state.context, _state.view
+    if isinstance(context, CaptureView):
+        _state.context, _state.view = context.target, context
+    else:
+        _state.context, _state.view = context, None
     try:
-        yield context
+        yield _state.context
     finally:
-        _state.context = previous
+        _state.context, _state.view = previous
 
 
 @contextmanager

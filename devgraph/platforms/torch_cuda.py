@@ -8,6 +8,7 @@ nothing but torch.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError
-from devgraph.messages import HOST_SYNC, HOST_SYNC_ADVICE
+from devgraph.messages import CAUSE_ATTRIBUTE, HOST_SYNC, HOST_SYNC_ADVICE, capture_oom
 
 __all__ = ["TorchCudaGraphPlatform"]
 
@@ -24,6 +25,21 @@ __all__ = ["TorchCudaGraphPlatform"]
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 #: id(graph) -> pool of a capture in progress, for abort_capture.
 _CAPTURE_POOLS: dict[int, Any] = {}
+
+
+class _OomCount(threading.local):
+    before = 0  # the allocator's out-of-memory count when this thread's last capture began
+
+
+_OOMS = _OomCount()
+
+
+def _allocator_ooms() -> int:
+    """How often the caching allocator ran out of memory on the current device (0 where unknown)."""
+    try:
+        return int(torch.cuda.memory_stats_as_nested_dict().get("num_ooms", 0))
+    except Exception:  # no CUDA runtime (test fakes on a CPU build)
+        return 0
 
 
 @contextlib.contextmanager
@@ -63,6 +79,7 @@ class TorchCudaGraphPlatform(GraphPlatform):
     def capture_begin(self, graph: DeviceGraph, pool: Any) -> None:
         # Remembered for abort_capture, which must hand the pool back itself when capture_end fails.
         _CAPTURE_POOLS[id(graph)] = pool
+        _OOMS.before = _allocator_ooms()  # an OOM during capture surfaces as an invalidated capture
         # thread_local: other threads of the engine (tokenizer, scheduler) may keep using the device.
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[attr-defined]
 
@@ -109,6 +126,12 @@ class TorchCudaGraphPlatform(GraphPlatform):
         return alias
 
     def translate_capture_error(self, error: BaseException, size: int | None) -> CaptureError | None:
+        failures = _allocator_ooms() - _OOMS.before
+        if failures > 0 and not isinstance(error, torch.OutOfMemoryError):
+            # pytorch#159594: the allocator's retry path frees cached blocks mid-capture, which invalidates
+            # the capture; what reaches us is cudaErrorStreamCaptureInvalidated, not the out-of-memory.
+            setattr(error, CAUSE_ATTRIBUTE, "out_of_memory")
+            return CaptureError(capture_oom(error, failures), size=size)
         text = str(error)
         if (
             "operation not permitted when stream is capturing" in text

@@ -4,7 +4,8 @@ Tensor-parallel runners talk over two groups. The engine's process group (NCCL o
 model's collectives, which live inside the graphs. A small gloo *control group* that devgraph builds once
 per process group, over the same ranks, carries devgraph's own messages: the capture handshake
 (:class:`CaptureSync`), the per-step key check (:func:`assert_same_key`) and the data-parallel key
-agreement (:func:`agree_counts`). gloo raises on a timeout or a
+agreement (:func:`agree_counts`) where the group is not NCCL's (on NCCL it runs on the device, on a
+communicator of its own: :mod:`devgraph.ranks.transport`). gloo raises on a timeout or a
 dead peer, where a collective stuck on a device is only ended by NCCL's watchdog killing the process. The
 timeout is :func:`rank_timeout_s` (``DEVGRAPH_RANK_TIMEOUT_S``, default 60 s). Teardown keeps graphs
 released before their communicator is destroyed (:mod:`devgraph.ranks.teardown`). See
@@ -12,7 +13,7 @@ docs/tensor-parallel.md.
 """
 
 from devgraph.ranks.capture import CaptureSync
-from devgraph.ranks.dp import GroupAgreement, GroupCounts, agree_counts, variant_code
+from devgraph.ranks.dp import GroupAgreement, GroupCounts, agree_counts, keys_code, variant_code
 from devgraph.ranks.group import (
     DEFAULT_RANK_TIMEOUT_S,
     RANK_TIMEOUT_ENV,
@@ -36,8 +37,10 @@ from devgraph.ranks.teardown import (
     release_backend,
     track_runner,
 )
+from devgraph.ranks.transport import AGREEMENT_ENV, transport_name
 
 __all__ = [
+    "AGREEMENT_ENV",
     "CaptureSync",
     "DEFAULT_RANK_TIMEOUT_S",
     "GroupAgreement",
@@ -55,11 +58,13 @@ __all__ = [
     "group_ranks",
     "install_destroy_guard",
     "is_multi_rank",
+    "keys_code",
     "rank_name",
     "rank_of",
     "rank_timeout_s",
     "release_backend",
     "settle_device",
     "track_runner",
+    "transport_name",
     "variant_code",
 ]

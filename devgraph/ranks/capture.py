@@ -4,8 +4,10 @@ rank raised on every rank (over the control group, within the rank timeout)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
 
 from devgraph.contract.keys import GraphKey
 from devgraph.contract.platform import GraphPlatform
@@ -33,7 +35,8 @@ class CaptureSync:
 
     The capture loop calls, per key: :meth:`ready` before the warm-ups, :meth:`barrier` after them, and
     :meth:`agree` after the capture (with this rank's exception, if any). Each is one exchange on the
-    control group carrying a digest of this rank's key list, so ranks about to capture different keys
+    control group carrying a digest of what this rank is about to capture (its key list, the graph set's
+    backend, the static buffers' names, dtypes and shapes), so ranks about to capture different graphs
     stop at the first ``ready``, before any warm-up runs collectives of different shapes. A rank that
     fails before or during its warm-ups skips its later handshakes and goes straight to :meth:`agree`,
     which meets the others' ``ready`` or ``barrier``: every rank makes the same number of exchanges before
@@ -50,6 +53,7 @@ class CaptureSync:
         phase: str,
         keys: Sequence[GraphKey],
         backend: Any = None,
+        buffers: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.platform = platform
         self.group = group
@@ -57,8 +61,9 @@ class CaptureSync:
         self.backend = backend
         self.multi = is_multi_rank(group)
         texts = [str(k) for k in keys]
-        self._digest = hashlib.blake2b("\n".join(texts).encode(), digest_size=8).hexdigest()
-        self._listing = shorten(texts, 160)
+        setup = _setup(backend, buffers)
+        self._digest = hashlib.blake2b("\n".join([*texts, *setup]).encode(), digest_size=8).hexdigest()
+        self._listing = shorten(texts, 160) + (f" with {', '.join(setup)}" if setup else "")
         self._key: GraphKey | None = None
         self._raised: CaptureError | None = None  # the handshake error this rank raised, if any
 
@@ -98,8 +103,8 @@ class CaptureSync:
         if any(answer[0] != self._digest for answer in answers):
             shown = "; ".join(f"{rank_name(group, r)}: {answer[1]}" for r, answer in enumerate(answers))
             raise self._fail(
-                f"the ranks are about to capture different {self.phase} keys ({shown}); build every rank's "
-                "runner with the same sizes, axes and variants",
+                f"the ranks are about to capture different {self.phase} keys, graph sets or buffers "
+                f"({shown}); build every rank's runner with the same sizes, axes, variants, mode and inputs",
                 key,
             ) from error
         failed = [(r, answer) for r, answer in enumerate(answers) if answer[4] is not None]
@@ -133,6 +138,14 @@ class CaptureSync:
         error.key = key  # type: ignore[attr-defined]
         self._raised = error
         return error
+
+
+def _setup(backend: Any, buffers: Mapping[str, torch.Tensor] | None) -> list[str]:
+    """What besides the keys the ranks must share: the graph set's backend and the static buffers."""
+    found = [f"backend {backend.name}"] if getattr(backend, "name", None) else []
+    for name, buffer in sorted((buffers or {}).items()):
+        found.append(f"{name} {list(buffer.shape)} {str(buffer.dtype).removeprefix('torch.')}")
+    return found
 
 
 def _failure_text(error: BaseException) -> str:

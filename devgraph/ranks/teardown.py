@@ -26,6 +26,7 @@ import torch
 
 from devgraph.contract.platform import GraphPlatform
 from devgraph.ranks.group import forget_control_groups, group_alive
+from devgraph.ranks.transport import forget_communicators
 
 __all__ = ["destroy_process_group", "install_destroy_guard", "release_backend", "track_runner"]
 
@@ -68,6 +69,7 @@ def _destroy(group: Any, destroy: Any) -> None:
     # destroyed one's name and could read its stale addresses from the store. The world's destroy takes
     # every group with it, control groups included.
     forget_control_groups(None if _everything(group) else [group])
+    forget_communicators(None if _everything(group) else [group])  # the device agreement's own NCCL groups
     destroy(group)
 
 

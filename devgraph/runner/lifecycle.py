@@ -96,7 +96,9 @@ def arm_guard(runner: GraphRunner) -> None:
     plan, steps = runner.plan, runner._steps
     if not plan.address_guard or not runner.backend.uses_graphs:
         return
-    guard = steps.guard = steps.guard or AddressGuard(plan.phase)
+    guard = steps.guard = steps.guard or AddressGuard(plan.phase, plan.platform.device_type != "cpu")
+    for graphs in runner._sets.all:  # each key's capture records the host values its forward reads
+        graphs.wrap_context = guard.values.recording
     exclude = {b.untyped_storage().data_ptr() for b in runner._buffers.buffers.values()}
     guard.arm(reach(runner.forward), {}, exclude)  # the walk's result is not kept: it holds tensors
     primary = runner._sets.primary

@@ -104,6 +104,7 @@ class Stepper:
         self.plan = plan
         self.dispatcher = Dispatcher(plan.schedule)
         self.sets.set_plan(plan)
+        self._group = None  # the agreement compares the new key set from the next step on
 
     # -- deciding -----------------------------------------------------------------------------------
     def route(
@@ -166,7 +167,7 @@ class Stepper:
         own = self.route(step.counts, variant, step, context)
         axes = (TOKENS, *self.plan.schedule.axis_names)
         if self._group is None:
-            self._group = GroupAgreement(self.plan.dp_group)
+            self._group = GroupAgreement(self.plan.dp_group, self.plan.schedule.keys())
         group = self._group([step.counts[a] for a in axes], own.key is None, variant_code(variant))
         largest = dict(zip(axes, group.counts, strict=True))
         if group.eager or not group.same_variant:
@@ -204,11 +205,11 @@ class Stepper:
             if count:
                 stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
             return self.eager(context, variant, inputs)
-        if self.guard is not None:
-            self.guard.check()
         graphs = self.sets.for_decision(decision)
         if self.plan.capture.lazy:
             graphs.lazy.lookup(key, count)
+        if self.guard is not None:  # after a lazy capture, which records the key's host values
+            self.guard.check(key, context)
         self.buffers.stage(step.counts, key, inputs)
         backend = graphs.backend
         pool = self.pool

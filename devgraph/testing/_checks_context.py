@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from devgraph import StaticInput, is_capturing, is_replaying
-from devgraph.testing._fixtures import WIDTH, BreakContext, break_forward, eager_break, feature_input
+from devgraph import ReplayError, StaticInput, is_capturing, is_replaying
+from devgraph.testing._fixtures import (
+    WIDTH,
+    BreakContext,
+    StaticBreakContext,
+    break_forward,
+    eager_break,
+    feature_input,
+)
 from devgraph.testing._kit import CheckFailed, KitContext, counting_replays
 from devgraph.testing._ops import clear_op_calls, op_calls
 
@@ -15,7 +22,9 @@ __all__ = ["check_break_ops", "check_host_inputs", "check_runtime_session"]
 
 def check_break_ops(ctx: KitContext) -> str:
     """Break ops: run eagerly at replay reading the live forward context (``breakable``,
-    ``tc_piecewise``), or captured into the graph (``full``) and then correct on fresh inputs."""
+    ``tc_piecewise``), or captured into the graph (``full``): then a replay whose live context holds
+    another value than the capture read is refused (the sanitizer), and with the value declared static
+    the graph replays the capture's, correct on fresh inputs."""
     weight = ctx.randn(WIDTH, WIDTH, seed=21, scale=0.5)
     forward = break_forward(weight)
     runner = ctx.runner(forward, feature_input(), capture_context=lambda key: BreakContext(1.0))
@@ -27,10 +36,20 @@ def check_break_ops(ctx: KitContext) -> str:
     size = ctx.sizes[-1]
     x = ctx.randn(size, WIDTH, seed=22)
     clear_op_calls()
-    out = runner.run(x=x, context=BreakContext(3.0)).detach().clone()
+    refused: ReplayError | None = None
+    try:
+        out = runner.run(x=x, context=BreakContext(3.0)).detach().clone()
+    except ReplayError as exc:  # the op read the context inside the graph: its value is baked in
+        refused = exc
     replay_calls = op_calls()
-    mode = ctx.break_mode(len(replay_calls))
+    mode = ctx.break_mode(len(replay_calls) if refused is None else 0)
     if mode == "eager":
+        if refused is not None:
+            raise CheckFailed(
+                f"a replay with another live context was refused ({refused}): the backend ran the break op "
+                "with is_capturing() True, so its reads of the context count as baked into the graph; a "
+                "backend that runs break ops eagerly runs them outside the capture"
+            )
         if not replay_calls:
             raise CheckFailed(
                 "the break op did not run at replay; with this backend break ops run eagerly between graph "
@@ -61,6 +80,20 @@ def check_break_ops(ctx: KitContext) -> str:
     # captured: the op's kernels are part of the graph; Python-level host state is baked in at capture.
     if not capture_calls[-1].capturing:
         raise CheckFailed("the break op saw is_capturing() False while captured into the graph")
+    guard = runner.inspect()["address_guard"] or {}
+    if refused is None and guard.get("host_values", {}).get("enabled"):
+        raise CheckFailed(
+            "a replay whose live context holds factor 3.0 was not refused, though the graph captured the "
+            "break op reading factor 1.0 (the runner's host-value check did not see the read)"
+        )
+    if refused is not None and "context.factor" not in str(refused):
+        raise CheckFailed(f"the refused replay does not name context.factor: {refused}")
+    # Declared static, the value is the graph's to keep: it replays the capture's, on any inputs.
+    static = ctx.runner(forward, feature_input(), capture_context=lambda key: StaticBreakContext(1.0))
+    static.capture()
+    clear_op_calls()
+    out = static.run(x=x, context=BreakContext(3.0)).detach().clone()
+    replay_calls = op_calls()
     ctx.assert_exact(
         out,
         eager_break(forward, x, 1.0 if not replay_calls else 3.0),
@@ -68,7 +101,7 @@ def check_break_ops(ctx: KitContext) -> str:
     )
     x2 = ctx.randn(size, WIDTH, seed=24)
     clear_op_calls()
-    out2 = runner.run(x=x2, context=None)
+    out2 = static.run(x=x2, context=None)
     ctx.assert_exact(
         out2, eager_break(forward, x2, 1.0), "replay of a graph with a captured break op, new inputs"
     )
@@ -77,7 +110,8 @@ def check_break_ops(ctx: KitContext) -> str:
         if replay_calls
         else "no Python at replay"
     )
-    return f"break op captured into the graph; {note}"
+    sanitized = "; a live context with another value refused" if refused is not None else ""
+    return f"break op captured into the graph; {note}{sanitized}"
 
 
 def check_runtime_session(ctx: KitContext) -> str:

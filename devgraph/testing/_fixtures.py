@@ -20,6 +20,7 @@ __all__ = [
     "WIDTH",
     "BreakContext",
     "Holder",
+    "StaticBreakContext",
     "block_batch",
     "break_forward",
     "changed_blocks",
@@ -162,6 +163,14 @@ class BreakContext:
     """The forward context the kit hands to ``run``: the break op reads ``factor``."""
 
     factor: float
+
+
+@dataclass
+class StaticBreakContext(BreakContext):
+    """A :class:`BreakContext` whose ``factor`` is declared static: a graph that captured the break op keeps
+    the capture's factor on purpose, and the runner's host-value check leaves it alone."""
+
+    __devgraph_static__ = ("factor",)
 
 
 def break_forward(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

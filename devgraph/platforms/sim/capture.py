@@ -27,12 +27,18 @@ from devgraph.platforms.sim.modes import (
     top_mode,
 )
 from devgraph.platforms.sim.ops import OpInfo, input_storages, op_info, storage_of, written_tensors
-from devgraph.platforms.sim.pool import SimPool
+from devgraph.platforms.sim.pool import SIM_MEMORY, SimPool
 from devgraph.platforms.sim.rules import HOST_READ_CALLS, host_read_error, violation_error
 from devgraph.platforms.sim.snapshots import StorageSnapshots
 from devgraph.platforms.sim.steps import Segment, Step, Target, op_step, opaque_step
 
 __all__ = ["Capture", "capture_state", "settle_failed"]
+
+#: What torch raises when an allocation fails during a CUDA graph capture (pytorch#159594): the capture is
+#: invalidated by the allocator's retry path, and the out-of-memory is not mentioned.
+_INVALIDATED = (
+    "CUDA error: operation failed due to a previous error during capture (cudaErrorStreamCaptureInvalidated)"
+)
 
 
 class _CaptureState(threading.local):
@@ -168,6 +174,10 @@ class Capture:
         self, func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
         targets = self._fresh_targets(info, args, kwargs, out)
+        limit = SIM_MEMORY.capture_limit
+        if limit is not None and targets and sum(self.storages.values()) > limit:
+            SIM_MEMORY.ooms += 1  # what a device allocator counts before torch invalidates the capture
+            self.fail(CaptureError(_INVALIDATED))
         self._note_uses(args, kwargs, (t for _, _, t in targets))
         if info.allocation:
             self.keepalive.extend(t for _, _, t in targets)

@@ -13,7 +13,9 @@ import torch
 
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError
+from devgraph.messages import CAUSE_ATTRIBUTE, capture_oom
 from devgraph.platforms.sim import graph as _sim
+from devgraph.platforms.sim.pool import SIM_MEMORY
 
 __all__ = ["CpuSimPlatform", "SimStream"]
 
@@ -43,6 +45,7 @@ _DEFAULT_STREAM = SimStream("default")
 
 class _CurrentStream(threading.local):
     stream: SimStream = _DEFAULT_STREAM
+    ooms: int = 0  # the simulated allocator's failures when this thread's capture began
 
 
 _current = _CurrentStream()
@@ -125,7 +128,16 @@ class CpuSimPlatform(GraphPlatform):
 
     def capture_begin(self, graph: DeviceGraph, pool: Any = None) -> None:
         """Start recording this thread's ops into ``graph``; ``pool=None`` gives it a pool of its own."""
+        _current.ooms = SIM_MEMORY.ooms
         _sim.begin_capture(_to_graph(graph), pool)
+
+    def translate_capture_error(self, error: BaseException, size: int | None) -> CaptureError | None:
+        """An allocation that failed during the capture is named as such (see ``SimDeviceMemory``)."""
+        failures = SIM_MEMORY.ooms - _current.ooms
+        if failures <= 0:
+            return None
+        setattr(error, CAUSE_ATTRIBUTE, "out_of_memory")
+        return CaptureError(capture_oom(error, failures), size=size)
 
     def capture_end(self, graph: DeviceGraph) -> None:
         """Stop recording into ``graph`` and finalize it for replay."""

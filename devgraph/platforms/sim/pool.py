@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["SimPool", "reserved_bytes"]
+__all__ = ["SIM_MEMORY", "SimDeviceMemory", "SimPool", "reserved_bytes"]
 
 
 @dataclass
@@ -40,6 +40,20 @@ class _GraphMemory:
     def kept_bytes(self) -> int:
         return sum(self.storages[p] for p in self.kept if p in self.storages)
 
+
+class SimDeviceMemory:
+    """The simulator playing a device short of memory during capture (tests): past ``capture_limit`` bytes
+    allocated by one capture, the allocation fails, counted in ``ooms`` as ``memory_stats()["num_ooms"]``
+    counts it on CUDA, and the capture ends with the error torch then raises (an invalidated capture,
+    pytorch#159594), not an out-of-memory error."""
+
+    def __init__(self) -> None:
+        self.capture_limit: int | None = None
+        self.ooms = 0
+
+
+#: The simulator's device memory (one per process, like a device).
+SIM_MEMORY = SimDeviceMemory()
 
 _LIVE_POOLS: weakref.WeakSet[SimPool] = weakref.WeakSet()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from devgraph.errors import CaptureError, ConfigError, RecompileError
-from devgraph.messages import HOST_SYNC_ADVICE
+from devgraph.messages import ADVICE_ATTRIBUTE, CAUSE_ATTRIBUTE, HOST_SYNC_ADVICE
 from devgraph.strategies.adaptive import StaticCompileError
 
 __all__ = ["Cause", "diagnose"]
@@ -151,8 +151,12 @@ def diagnose(exc: BaseException, *, phase: str, max_size: int, backend: str = ""
         seen.add(id(current))
         if isinstance(current, StaticCompileError):  # no compile can run it: the advice follows the cause
             return Cause(current.cause, current.advice)
+        named = getattr(current, CAUSE_ATTRIBUTE, None)  # the platform recognised it (an OOM in disguise)
+        own = getattr(current, ADVICE_ATTRIBUTE, None)  # the sanitizer's findings carry their own advice
+        if isinstance(named, str) and isinstance(own, str):
+            return Cause(named, own)
         for name, matches, advice in _TABLE:
-            if matches(current):
+            if name == named or matches(current):
                 if isinstance(advice, str):
                     return Cause(name, advice.format(phase=phase, max_size=max_size))
                 return Cause(name, advice(phase, max_size, backend))

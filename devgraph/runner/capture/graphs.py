@@ -64,6 +64,9 @@ class RunnerGraphs:
         self.notes: list[str] = []
         #: Runs the next capture's first warm-up under the address guard's observation (then unset).
         self.observe: Callable[[GraphKey, Mapping[str, Any]], bool] | None = None
+        #: Wraps the plan's capture context so that each capture notes the host values it reads (the
+        #: address guard's value check, devgraph.runner.guard.values).
+        self.wrap_context: Callable[[Any], Any] | None = None
         self.lazy = LazyGraphs(
             plan.capture.lazy_policy,
             stats,
@@ -102,8 +105,10 @@ class RunnerGraphs:
         bar or per-key log line (the caller logs: a background capture goes key by key)."""
         plan, backend = self.plan, self.backend
         lazy = plan.capture.lazy
-        # Ranks of a process group capture the same keys in step and fail together (devgraph.ranks).
-        sync = CaptureSync(plan.platform, plan.process_group, plan.phase, keys, backend)
+        # Ranks of a process group (or of a data-parallel group) capture the same keys with the same graph set
+        # and buffers, in step, and fail together (devgraph.ranks).
+        group = plan.process_group if plan.process_group is not None else plan.dp_group
+        sync = CaptureSync(plan.platform, group, plan.phase, keys, backend, buffers=self._buffers.buffers)
         job = CaptureJob(
             phase=plan.phase,
             backend=backend,
@@ -112,7 +117,9 @@ class RunnerGraphs:
             inputs_for=lambda key: {**self._buffers.views(key), **key.variant_dict},
             warmup_iters=plan.capture.warmup_iters,
             max_size=plan.schedule.max_tokens,
-            capture_context=plan.capture.context,
+            capture_context=(
+                self.wrap_context(plan.capture.context) if self.wrap_context else plan.capture.context
+            ),
             barrier=sync.barrier,
             ready=sync.ready,
             on_captured=self._layout.observe,

@@ -1,11 +1,14 @@
 """What can move a graph's memory, as events: one process-wide counter that any of them bumps.
 
-Two kinds of event reach it, neither costing anything per step: a watched storage was freed (a weak
-reference's callback: the last tensor on it died, or ``.data =`` / ``set_`` swapped it out), and a
-parameter, buffer or child module was assigned on a watched module (torch's global registration hooks,
-which ``module.weight = nn.Parameter(...)``, ``module.cache = torch.zeros(...)`` on a buffer and
-``layers[3] = new_layer`` all run). A guard compares the counter with the value it last checked at: one
-integer comparison per step, and the full check only after something happened.
+Three kinds of event reach it, none costing anything per step: a watched storage was freed (a weak
+reference's callback: the last tensor on it died, or ``.data =`` / ``set_`` swapped it out), a parameter,
+buffer or child module was assigned on a watched module (torch's global registration hooks, which
+``module.weight = nn.Parameter(...)``, ``module.cache = torch.zeros(...)`` on a buffer and
+``layers[3] = new_layer`` all run), and a storage's memory was given back or moved in place
+(``tensor.untyped_storage().resize_(0)``, what sleep modes and offloading do to keep the tensor objects:
+``UntypedStorage.resize_`` is wrapped once, and an event is counted when the storage's address changes).
+A guard compares the counter with the value it last checked at: one integer comparison per step, and the
+full check only after something happened.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["epoch", "storage_ref", "watch_module"]
+__all__ = ["epoch", "install", "storage_ref", "watch_module"]
 
 
 class _Counter:
@@ -50,8 +53,31 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
         _bump()
 
 
+def _wrap_storage_resize() -> None:
+    """Count a storage resized to other memory (its data pointer changed) as an event."""
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        before = self.data_ptr()
+        result = resize(self, size)
+        if self.data_ptr() != before:
+            _bump()
+        return result
+
+    resize_.__doc__ = resize.__doc__
+    resize_.__wrapped__ = resize  # type: ignore[attr-defined]
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+
+
 def watch_module(module: nn.Module) -> None:
     """Make assignments of parameters, buffers and child modules on ``module`` events."""
+    install()
+    with _lock:
+        _watched.add(module)
+
+
+def install() -> None:
+    """Install the hooks that report events (once per process)."""
     global _hooks_installed
     with _lock:
         if not _hooks_installed:
@@ -60,5 +86,5 @@ def watch_module(module: nn.Module) -> None:
             torch_module.register_module_parameter_registration_hook(_on_registration)
             torch_module.register_module_buffer_registration_hook(_on_registration)
             torch_module.register_module_module_registration_hook(_on_registration)
+            _wrap_storage_resize()
             _hooks_installed = True
-        _watched.add(module)

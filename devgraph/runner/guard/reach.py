@@ -1,16 +1,22 @@
 """Where the tensors a forward uses live: the paths from the forward to each of them, by name.
 
-A forward reaches its weights and caches through objects: the module a bound method belongs to, the
-variables a closure captured, a ``functools.partial``'s arguments, the globals its code names. From there
-the walk follows child modules, parameters, buffers, plain attributes, list, tuple and dict items and the
-attributes of plain objects, a bounded number of steps, and returns for every tensor storage the paths
-that lead to it (``ReferenceModel.layers.3.o_proj``), each a chain of :class:`Link` s: what held what when
-the graphs were captured. A link can tell whether its container still holds the same object.
+A forward reaches its weights and caches through objects and through the code it calls: the module a bound
+method belongs to, the variables a closure captured, a ``functools.partial``'s arguments, the globals its
+code names (module-level tensors, lists, dicts and objects), and the same again for every helper it calls
+by a global name, a closure variable or ``self.<method>`` (their closures and globals). From there the walk
+follows child modules, parameters, buffers, module attributes public and private (``self._kv_cache``), list,
+tuple and dict items, and the attributes of plain objects, slotted ones included (``__slots__``,
+``@dataclass(slots=True)``), a bounded number of steps, and returns for every tensor storage the paths that
+lead to it (``ReferenceModel.layers.3.o_proj``), each a chain of :class:`Link` s: what held what when the
+graphs were captured. A link can tell whether its container still holds the same object.
+
+What it does not follow is listed in :data:`NOT_FOLLOWED` (shown by ``inspect()`` and docs/user-guide.md).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -26,6 +32,17 @@ __all__ = ["Link", "Place", "Reach", "reach"]
 
 #: Kinds of link whose assignment runs torch's module registration hooks (an event, no per-step check).
 HOOKED = frozenset({"parameter", "buffer", "module"})
+#: A ``__slots__`` attribute of an object without a ``__dict__`` entry for it (read with ``getattr``).
+SLOT = "slot"
+#: What the walk does not follow (a tensor reached only through one of these is watched by its storage, if
+#: the observed warm-up used it, but a replacement there is not named).
+NOT_FOLLOWED = (
+    "dict keys, sets and weak references",
+    "attributes computed on access (properties, __getattr__) and class attributes",
+    "objects of C extensions without __dict__ or __slots__",
+    "forward hooks and what torch.compile or a library keeps inside its own caches",
+    "containers longer than 4096 items, and objects past 20000 or 12 levels deep",
+)
 #: An attribute its owner rebinds on purpose, keeping what it replaced alive for the graphs captured on it
 #: (the class lists it in ``__devgraph_rebinds__``): a new object there is no change; the old one freed is.
 KEPT = "kept"
@@ -88,6 +105,8 @@ class Link:
                 return owner.cell_contents
             except ValueError:  # an emptied cell
                 return _MISSING
+        if self.kind == SLOT:
+            return getattr(self.owner(), self.key, _MISSING)
         container = self.container()
         if container is None:
             return _MISSING
@@ -146,17 +165,44 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
         return 0
 
 
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` uses, its nested functions' and comprehensions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _followed(fn: Any) -> bool:
+    """Whether a helper the forward calls is walked: Python code outside torch and devgraph's machinery."""
+    module = getattr(fn, "__module__", None) or ""
+    return module.partition(".")[0] != "torch" and not module.startswith(_OWN)
+
+
+def _module_forwards(module: nn.Module) -> list[tuple[Any, type]]:
+    """``(forward function, class)`` of every distinct class among ``module`` and its descendants."""
+    found: dict[int, tuple[Any, type]] = {}
+    for sub in module.modules():
+        forward = getattr(type(sub), "forward", None)
+        if isinstance(forward, types.FunctionType):
+            found.setdefault(id(forward), (forward, type(sub)))
+    return list(found.values())
+
+
 def _roots(forward: Any) -> Iterator[tuple[str, Link | None, Any]]:
-    """``(name, link to it or None, object)`` for what the forward holds directly."""
+    """``(name, link to it or None, object)`` for what the forward and the helpers it calls hold directly:
+    bound objects, closure variables, ``partial`` arguments and the module globals their code names."""
     seen: set[int] = set()
-    stack = [forward]
+    # What to walk, and the class its ``self.<name>`` calls look up (None: not a method).
+    stack: list[tuple[Any, type | None]] = [(forward, None)]
     while stack:
-        fn = stack.pop()
+        fn, methods = stack.pop()
         if id(fn) in seen:
             continue
         seen.add(id(fn))
         if isinstance(fn, functools.partial):
-            stack.append(fn.func)
+            stack.append((fn.func, None))
             for i, arg in enumerate(fn.args):
                 yield f"partial[{i}]", None, arg
             for name, arg in fn.keywords.items():
@@ -165,14 +211,30 @@ def _roots(forward: Any) -> Iterator[tuple[str, Link | None, Any]]:
         owner = getattr(fn, "__self__", None)
         if owner is not None and not isinstance(owner, types.ModuleType):
             yield type(owner).__name__, None, owner
+            methods = type(owner)
+            if isinstance(owner, nn.Module):
+                stack.extend(_module_forwards(owner))
             fn = getattr(fn, "__func__", fn)
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
         wrapped = getattr(fn, "__wrapped__", None)
         if wrapped is not None:
-            stack.append(wrapped)
+            stack.append((wrapped, methods))
         code = getattr(fn, "__code__", None)
         if code is None:
             if isinstance(fn, nn.Module):
                 yield type(fn).__name__, None, fn
+                stack.extend(_module_forwards(fn))  # what runs when it is called: those helpers too
+            elif callable(fn) and not isinstance(fn, type):
+                call = next(
+                    (k.__dict__["__call__"] for k in type(fn).__mro__ if "__call__" in k.__dict__), None
+                )
+                if isinstance(call, types.FunctionType) and _followed(call):
+                    yield type(fn).__name__, None, fn
+                    stack.append((call, type(fn)))
+            continue
+        if not _followed(fn):
             continue
         qualname = getattr(fn, "__name__", "forward")
         for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False):
@@ -186,14 +248,25 @@ def _roots(forward: Any) -> Iterator[tuple[str, Link | None, Any]]:
                 value,
             )
             if callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
-                stack.append(value)
+                stack.append((value, None))
         module_globals = getattr(fn, "__globals__", {})
-        for name in code.co_names:
-            if name in module_globals:
-                value = module_globals[name]
-                if isinstance(value, (nn.Module, torch.Tensor, list, dict)):
-                    link = Link("item", name, _strong(module_globals), _ref(value), id(value))
-                    yield name, link, value
+        for name in sorted(_names(code)):
+            if methods is not None:  # self.<helper>(): the helper's closures and globals too
+                try:
+                    method = getattr(methods, name, None)
+                except Exception:  # a class whose attribute lookup runs code of its own
+                    method = None
+                method = getattr(method, "__func__", method)
+                if isinstance(method, types.FunctionType):
+                    stack.append((method, methods))
+            if name not in module_globals:
+                continue
+            value = module_globals[name]
+            if isinstance(value, (types.FunctionType, functools.partial)):
+                stack.append((value, None))  # a helper it calls by name
+            elif _interesting(value):
+                link = Link("item", name, _strong(module_globals), _ref(value), id(value))
+                yield name, link, value
 
 
 #: devgraph's own machinery (runners, backends, platforms, the guard itself): what it holds is devgraph's,
@@ -203,14 +276,48 @@ _OWN = ("devgraph.runner", "devgraph.strategies", "devgraph.platforms", "devgrap
         "devgraph.flag", "devgraph.registry")  # fmt: skip
 
 
+#: Objects of the standard library's machinery (loggers, locks, threads, executors) hold no model state;
+#: plain holders (``types.SimpleNamespace``, dataclasses, named tuples) do and are walked.
+_MACHINERY = frozenset(sys.stdlib_module_names) - {"types", "collections", "dataclasses"}
+
+
 def _interesting(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, nn.Module, list, tuple, dict)):
         return True
     if isinstance(value, (str, bytes, int, float, bool, type, types.ModuleType, types.FunctionType)):
         return False
-    if type(value).__module__.startswith(_OWN):
+    module = type(value).__module__ or ""
+    top = module.partition(".")[0]
+    if module.startswith(_OWN) or top in _MACHINERY or top.lstrip("_") in _MACHINERY:
         return False
-    return hasattr(value, "__dict__") and not callable(value)
+    return (hasattr(value, "__dict__") or bool(_slots(type(value)))) and not callable(value)
+
+
+#: What every ``nn.Module`` holds by itself (hooks, its tables): not model state.
+_MODULE_OWN = frozenset(vars(nn.Module()))
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    """The ``__slots__`` names of ``cls`` and its bases (``__dict__`` and ``__weakref__`` left out)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        declared = klass.__dict__.get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def _attributes(obj: Any, skip: frozenset[str]) -> Iterator[tuple[str, str, Any]]:
+    """``(kind, name, value)`` of an object's instance attributes: its ``__dict__``, then its slots."""
+    kept = getattr(type(obj), REBINDS, ())
+    for name, value in getattr(obj, "__dict__", {}).items():
+        if name not in skip and not name.startswith("__") and _interesting(value):
+            yield KEPT if name in kept else "attribute", name, value
+    for name in _slots(type(obj)):
+        value = getattr(obj, name, _MISSING)
+        if value is not _MISSING and not name.startswith("__") and _interesting(value):
+            yield SLOT, name, value
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any, Any, Any]]:
@@ -224,10 +331,8 @@ def _children(obj: Any) -> Iterator[tuple[str, Any, Any, Any]]:
             for name, value in table.items():
                 if value is not None:
                     yield kind, name, obj, value
-        kept = getattr(type(obj), REBINDS, ())
-        for name, value in vars(obj).items():
-            if not name.startswith("_") and _interesting(value):
-                yield KEPT if name in kept else "attribute", name, obj, value
+        for kind, name, value in _attributes(obj, _MODULE_OWN):
+            yield kind, name, obj, value
     elif isinstance(obj, (list, tuple)):
         if len(obj) <= MAX_ITEMS:
             for i, value in enumerate(obj):
@@ -238,16 +343,14 @@ def _children(obj: Any) -> Iterator[tuple[str, Any, Any, Any]]:
             for key, value in obj.items():
                 if isinstance(key, (str, int)) and _interesting(value):
                     yield "item", key, obj, value
-    elif not isinstance(obj, torch.Tensor) and hasattr(obj, "__dict__"):
-        kept = getattr(type(obj), REBINDS, ())
-        for name, value in vars(obj).items():
-            if not name.startswith("__") and _interesting(value):
-                yield KEPT if name in kept else "attribute", name, obj, value
+    elif not isinstance(obj, torch.Tensor):
+        for kind, name, value in _attributes(obj, frozenset()):
+            yield kind, name, obj, value
 
 
 def _owner_ref(kind: str, owner: Any) -> Callable[[], Any]:
     # Modules weakly (their dicts are read through them); lists, dicts and tuples strongly.
-    return _ref(owner) if kind in HOOKED or kind in ("attribute", KEPT) else _strong(owner)
+    return _ref(owner) if kind in HOOKED or kind in ("attribute", KEPT, SLOT) else _strong(owner)
 
 
 def reach(forward: Any) -> Reach:
