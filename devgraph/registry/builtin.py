@@ -19,6 +19,7 @@ def devgraph_register_platforms(register: Callable[[type[Any]], None]) -> None:
 def devgraph_register_backends(register: Callable[..., None]) -> None:
     from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 
-    register(FullGraphBackend, name="full", platform="cpu", default_for=("decode",))
-    register(BreakableBackend, name="breakable", platform="cpu", default_for=("prefill", "encode"))
+    # No default_for: ``auto`` takes each phase's default mode (devgraph.contract.phases.PHASE_SPECS).
+    register(FullGraphBackend, name="full", platform="cpu")
+    register(BreakableBackend, name="breakable", platform="cpu")
     register(TcPiecewiseBackend, name="tc_piecewise", platform="cpu")
