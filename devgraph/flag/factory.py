@@ -31,6 +31,7 @@ __all__ = [
     "auto_mode",
     "auto_phases",
     "best_platform",
+    "build_backend",
     "create_backend",
     "platform_availability",
     "resolve_mode",
@@ -318,7 +319,20 @@ def create_backend(
     """
     registry = registry or get_registry()
     phase = check_phase(phase)
-    platform = resolve_platform(device, registry)
+    return build_backend(resolve_platform(device, registry), phase, mode, options=options, registry=registry)
+
+
+def build_backend(
+    platform: GraphPlatform,
+    phase: str,
+    mode: str = "auto",
+    *,
+    options: BackendOptions | Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+) -> DeviceGraphBackend:
+    """:func:`create_backend` on a platform resolved already (a runner resolves its platform once)."""
+    registry = registry or get_registry()
+    phase = check_phase(phase)
     name = resolve_mode(platform.name, phase, mode, registry)
     if name == SpecialMode.EAGER.value:
         return EagerBackend(

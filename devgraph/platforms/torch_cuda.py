@@ -147,6 +147,11 @@ class TorchCudaGraphPlatform(GraphPlatform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def record_event(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info()
         return int(free), int(total)

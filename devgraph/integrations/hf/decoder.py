@@ -26,7 +26,7 @@ from devgraph.integrations.hf.support import (
     route_generate,
 )
 from devgraph.messages import shorten
-from devgraph.runner.capture.loop import CaptureReport
+from devgraph.runner.capture.job import CaptureReport
 from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = ["DevgraphDecoder"]
