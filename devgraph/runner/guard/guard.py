@@ -57,7 +57,7 @@ class Watched:
             broken = place.broken_at()
             if broken is not None:
                 return f"{place.path} ({self.facts}) was replaced: {broken}, while the graphs use the old one"
-            if place.links and _ptr(place.links[-1].value()) != self.ptr:
+            if place.links and _ptr(place.links[-1].current()) != self.ptr:
                 return f"{place.path} ({self.facts}) is on other memory now (.data =, set_ or resize_)"
         return None
 
@@ -173,8 +173,9 @@ class AddressGuard:
         raise ReplayError(
             f"the {self.phase} graphs were captured on tensors that changed since: {shown}{more}. Replaying "
             "would read and write the old memory. Update weights and caches in place to keep the graphs "
-            "valid (with torch.no_grad(): param.copy_(new); load_state_dict() does this), or call "
-            "runner.refresh() to capture again on the new tensors"
+            "valid (with torch.no_grad(): param.copy_(new); load_state_dict() does this, unless torch's swap "
+            "mode is on: torch.__future__.set_swap_module_params_on_conversion(True) makes it swap in new "
+            "tensors), or call runner.refresh() to capture again on the new tensors"
         )
 
     def describe(self) -> dict[str, Any]:
