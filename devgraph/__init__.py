@@ -34,11 +34,11 @@ from devgraph.registry.register import register_backend
 from devgraph.registry.rules import CompatibilityRule
 from devgraph.runner.background import BackgroundCapture
 from devgraph.runner.capture.job import CaptureReport, KeyReport
-from devgraph.runner.capture.shared_pool import GraphPool
 from devgraph.runner.dispatch import EagerReason, FallbackReason
 from devgraph.runner.graph_runner import GraphRunner
 from devgraph.runner.handle import StepHandle
 from devgraph.runner.life import LifeState
+from devgraph.runner.shared_pool import GraphPool
 from devgraph.runner.state import StateHooks
 from devgraph.runner.stepping import Agreement
 from devgraph.runner.verify import VerifyResult

@@ -27,7 +27,6 @@ from devgraph.flag.factory import ResolvedPhase
 from devgraph.flag.trace import PhaseSteps
 from devgraph.ranks import track_runner
 from devgraph.runner.capture.job import CaptureReport
-from devgraph.runner.capture.shared_pool import GraphPool
 from devgraph.runner.handle import StepHandle
 from devgraph.runner.inspection import describe_runner
 from devgraph.runner.life import GraphLife, Released
@@ -36,6 +35,7 @@ from devgraph.runner.options import RunnerOptions, RunnerPlan, plan_runner
 from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.outputs.trees import copy_into_out, copy_tree
 from devgraph.runner.schedule import KeySchedule
+from devgraph.runner.shared_pool import GraphPool
 from devgraph.runner.staging import StaticBuffers, StepValidator
 from devgraph.runner.stats import RunnerStats
 from devgraph.runner.stepping import Agreement, Stepper

@@ -41,12 +41,12 @@ from devgraph.runner.capture.graph_set import GraphSet
 from devgraph.runner.capture.job import CaptureReport
 from devgraph.runner.capture.pending import PendingKeys
 from devgraph.runner.capture.sets import GraphSets
-from devgraph.runner.capture.shared_pool import GraphPool, PoolMember
 from devgraph.runner.dispatch import Dispatcher, EagerReason, Readiness
 from devgraph.runner.guard import AddressGuard, observe, reach
 from devgraph.runner.options import RunnerPlan
 from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.schedule import KeySchedule
+from devgraph.runner.shared_pool import GraphPool, PoolMember
 from devgraph.runner.staging import StaticBuffers
 from devgraph.runner.stats import RunnerStats
 

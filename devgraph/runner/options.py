@@ -39,7 +39,7 @@ from devgraph.runner.schedule import AxisSizes, KeySchedule, schedule_for
 from devgraph.runner.state import DeclaredState, as_state
 
 if TYPE_CHECKING:
-    from devgraph.runner.capture.shared_pool import GraphPool
+    from devgraph.runner.shared_pool import GraphPool
 
 __all__ = [
     "FLAG_KEYS",
