@@ -115,6 +115,7 @@ class GraphLife:
         #: Routes a step to a key of the current schedule (``retune()`` replaces it with the schedule).
         self.router = Dispatcher(plan.schedule)
         self.guard: AddressGuard | None = None
+        self._uses_graphs = self.sets.primary.backend.uses_graphs
         self.state = LifeState.FRESH
         self.report: CaptureReport | None = None
         self.pending: PendingKeys | None = None  # while capturing
@@ -122,11 +123,14 @@ class GraphLife:
 
     # -- what the stepper reads ---------------------------------------------------------------------
     @property
-    def readiness(self) -> Readiness:
-        """The state as the dispatcher reads it."""
-        if not self.sets.primary.backend.uses_graphs:
-            return _DISABLED
-        return _READINESS[self.state]
+    def state(self) -> LifeState:
+        return self._state
+
+    @state.setter
+    def state(self, state: LifeState) -> None:
+        self._state = state
+        #: The state as the dispatcher reads it (set with the state: a step reads it, never computes it).
+        self.readiness: Readiness = _READINESS[state] if self._uses_graphs else _DISABLED
 
     def check_open(self) -> None:
         if self.state is LifeState.CLOSED:

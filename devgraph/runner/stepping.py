@@ -93,7 +93,7 @@ class Stepper:
     ) -> Decision:
         """This step's decision; with a data-parallel group, the group's (``agreement``, else agreed now)."""
         plan = self.life.plan
-        if plan.dp_group is None:
+        if plan.distributed.dp_group is None:
             return self.route(step.counts, variant, step, context)
         if agreement is None:
             agreement = self.agree(step, variant, context)
@@ -182,7 +182,7 @@ class Stepper:
             stats.replayed(key, step.n)
             if decision.fallback is not None:
                 stats.fallback[decision.fallback] += 1
-            if life.plan.dp_group is not None:
+            if life.plan.distributed.dp_group is not None:
                 stats.agreed_steps += 1
                 own = life.router.route(step.counts, variant).key
                 stats.peer_padded_rows += key.tokens - (own.tokens if own is not None else step.n)

@@ -35,7 +35,8 @@ def _key_set(graphs: GraphSet) -> KeySet:
     """``graphs`` as the dispatcher reads it; the backend's veto only where its class has one."""
     backend = graphs.backend
     vetoes = type(backend).can_run is not DeviceGraphBackend.can_run
-    return KeySet(graphs.holds, backend.can_run if vetoes else None)
+    holds = graphs.holds if graphs.plan.capture.lazy else backend.has_shape
+    return KeySet(holds, backend.can_run if vetoes else None)
 
 
 class GraphSets:
@@ -47,7 +48,7 @@ class GraphSets:
         self.plan = primary.plan
         #: The primary's keys whose capture failed, left to the fallback (with the error), until released.
         self.declined: dict[GraphKey, str] = {}
-        #: What the dispatcher reads, primary first (built once: the sets never change).
+        #: What the dispatcher reads, primary first (built with the plan: the sets never change).
         self.key_sets: tuple[KeySet, ...] = tuple(_key_set(g) for g in self.all)
 
     @property
@@ -157,6 +158,7 @@ class GraphSets:
         for graphs in self.all:
             graphs.plan = plan
         self.plan = plan
+        self.key_sets = tuple(_key_set(g) for g in self.all)  # retune() may turn lazy capture on
 
     # -- inspection ---------------------------------------------------------------------------------
     def captured_keys(self) -> list[GraphKey]:
