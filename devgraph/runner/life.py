@@ -116,7 +116,7 @@ class GraphLife:
         self.router = Dispatcher(plan.schedule)
         self.guard: AddressGuard | None = None
         self._uses_graphs = self.sets.primary.backend.uses_graphs
-        self.state = LifeState.FRESH
+        self._enter(LifeState.FRESH)
         self.report: CaptureReport | None = None
         self.pending: PendingKeys | None = None  # while capturing
         self.released: Released | None = None  # while released
@@ -124,10 +124,10 @@ class GraphLife:
     # -- what the stepper reads ---------------------------------------------------------------------
     @property
     def state(self) -> LifeState:
+        """Where the graphs are now (only the transitions below change it)."""
         return self._state
 
-    @state.setter
-    def state(self, state: LifeState) -> None:
+    def _enter(self, state: LifeState) -> None:
         self._state = state
         #: The state as the dispatcher reads it (set with the state: a step reads it, never computes it).
         self.readiness: Readiness = _READINESS[state] if self._uses_graphs else _DISABLED
@@ -153,7 +153,7 @@ class GraphLife:
                 self.restore()  # released before capture(): fresh now, captured below
             if self.state is LifeState.FRESH:
                 self.report = self._start_up()
-                self.state = LifeState.CAPTURED
+                self._enter(LifeState.CAPTURED)
             return self.current_report()
 
     def refresh(self) -> CaptureReport:
@@ -163,7 +163,7 @@ class GraphLife:
             self.check_open()
             self._release_all()
             self.released = None
-            self.state = LifeState.FRESH
+            self._enter(LifeState.FRESH)
             return self.capture()
 
     def _start_up(self) -> CaptureReport:
@@ -197,7 +197,7 @@ class GraphLife:
             self._release_all()  # every set's backend.cleanup(): graphs, the backend's pool, then empty_cache
             plan.platform.empty_cache()  # a fallback set's or a shared pool's blocks too, now unused
             self.released = released
-            self.state = LifeState.RELEASED
+            self._enter(LifeState.RELEASED)
             logger.info("devgraph: %s: released %d graph(s), %.1f MiB", plan.phase, len(keys), held / 2**20)
             return released
 
@@ -235,7 +235,7 @@ class GraphLife:
 
     def _settle(self, state: LifeState, report: CaptureReport | None) -> None:
         self.released = None
-        self.state = state
+        self._enter(state)
         self.report = report
 
     # -- capture in the background ------------------------------------------------------------------
@@ -261,7 +261,7 @@ class GraphLife:
             sets.primary.backend.prepare(plan.inputs, keys)
             self.released = None  # a released runner captures its keys again, key by key
             self.pending = PendingKeys(list(keys), len(keys))
-            self.state = LifeState.CAPTURING
+            self._enter(LifeState.CAPTURING)
             return self.pending
 
     def capture_next(self) -> bool:
@@ -326,7 +326,7 @@ class GraphLife:
         with self.lock:
             if self.state is LifeState.CAPTURING:
                 self._release_all()
-                self.state = LifeState.FRESH
+                self._enter(LifeState.FRESH)
 
     # -- while serving ------------------------------------------------------------------------------
     def retune(self, sizes: Sequence[int], *, lazy: bool) -> list[GraphKey]:
@@ -404,7 +404,7 @@ class GraphLife:
                     self.pool.detach(self.owner)
                 self._disarm()
                 self.pending = self.released = self.report = None
-                self.state = LifeState.CLOSED
+                self._enter(LifeState.CLOSED)
 
     # -- inspection ---------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
