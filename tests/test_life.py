@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import host_read_at_four
 
 from devgraph import (
     BackgroundCapture,
@@ -20,7 +21,6 @@ from devgraph import (
     GraphRunner,
     LifeState,
     StaticInput,
-    graph_break,
     is_capturing,
 )
 from devgraph.platforms.sim.pool import reserved_bytes
@@ -36,14 +36,6 @@ FALLBACK = '{"decode": {"backend": "full", "fallback": "breakable"}}'
 
 def forward(x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x @ WEIGHT) + x
-
-
-@graph_break("devgraph_test::life_host_read_at_four")
-def host_read_at_four(x: torch.Tensor) -> torch.Tensor:
-    """Reads a value on the host for 4-row batches: fine eagerly (between segments), not inside a graph."""
-    if x.shape[0] == 4:
-        return x * float(x.abs().sum().item() >= 0)
-    return x * 1.0
 
 
 def fails_full_at_four(x: torch.Tensor) -> torch.Tensor:

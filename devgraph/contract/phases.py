@@ -10,7 +10,7 @@ A new phase is a member here and its spec in :data:`PHASE_SPECS`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from devgraph.contract.modes import Strategy, Word
 from devgraph.errors import ConfigError
@@ -119,49 +119,33 @@ _PREFILL_MAX = ((8 * GiB, 256), (24 * GiB, 1024), (48 * GiB, 2048))
 #: lengths), so the default cuts the graph at break ops; ``breakable`` replays as fast as ``tc_piecewise``
 #: with the eager compiler, captures 10x faster (no torch.compile) and puts no dynamo constraints on the
 #: model code. verify: decode-shaped steps (``1 + k`` tokens per request) with the same device metadata.
+_DECODE = PhaseSpec(
+    uniform=True,
+    tokens_per_request=1,
+    needs_tokens_per_request=False,
+    hard_max_size=65536,
+    default_sizes=DEFAULT_DECODE_SIZES,
+    max_by_free_memory=_DECODE_MAX,
+    largest_default=256,
+    default_mode=Strategy.FULL.value,
+)
+_PREFILL = PhaseSpec(
+    uniform=False,
+    tokens_per_request=None,
+    needs_tokens_per_request=False,
+    hard_max_size=1 << 20,
+    default_sizes=DEFAULT_PREFILL_SIZES,
+    max_by_free_memory=_PREFILL_MAX,
+    largest_default=4096,
+    default_mode=Strategy.BREAKABLE.value,
+)
 PHASE_SPECS: dict[Phase, PhaseSpec] = {
-    Phase.DECODE: PhaseSpec(
-        uniform=True,
-        tokens_per_request=1,
-        needs_tokens_per_request=False,
-        hard_max_size=65536,
-        default_sizes=DEFAULT_DECODE_SIZES,
-        max_by_free_memory=_DECODE_MAX,
-        largest_default=256,
-        default_mode=Strategy.FULL.value,
-    ),
-    Phase.PREFILL: PhaseSpec(
-        uniform=False,
-        tokens_per_request=None,
-        needs_tokens_per_request=False,
-        hard_max_size=1 << 20,
-        default_sizes=DEFAULT_PREFILL_SIZES,
-        max_by_free_memory=_PREFILL_MAX,
-        largest_default=4096,
-        default_mode=Strategy.BREAKABLE.value,
-    ),
-    Phase.ENCODE: PhaseSpec(
-        uniform=False,
-        tokens_per_request=None,
-        needs_tokens_per_request=False,
-        hard_max_size=1 << 20,
-        default_sizes=DEFAULT_PREFILL_SIZES,
-        max_by_free_memory=_PREFILL_MAX,
-        largest_default=4096,
-        default_mode=Strategy.BREAKABLE.value,
-        like=Phase.PREFILL,
-    ),
-    Phase.VERIFY: PhaseSpec(
-        uniform=True,
-        tokens_per_request=None,
-        needs_tokens_per_request=True,
-        hard_max_size=65536,
-        default_sizes=DEFAULT_DECODE_SIZES,
-        max_by_free_memory=_DECODE_MAX,
-        largest_default=256,
-        default_mode=Strategy.FULL.value,
-        like=Phase.DECODE,
-    ),
+    Phase.DECODE: _DECODE,
+    Phase.PREFILL: _PREFILL,
+    # Packed encoder tokens: sized and captured like prefill.
+    Phase.ENCODE: replace(_PREFILL, like=Phase.PREFILL),
+    # Decode-shaped steps of 1 + k tokens per request (the engine gives k), on decode's request sizes.
+    Phase.VERIFY: replace(_DECODE, tokens_per_request=None, needs_tokens_per_request=True, like=Phase.DECODE),
 }
 
 #: Every phase name, in the order docs and reports list them.
