@@ -57,7 +57,9 @@ class Watched:
             broken = place.broken_at()
             if broken is not None:
                 return f"{place.path} ({self.facts}) was replaced: {broken}, while the graphs use the old one"
-            if place.links and _ptr(place.links[-1].current()) != self.ptr:
+            last = place.links[-1] if place.links else None
+            # A rebound-on-purpose (kept) tensor is not the one its path holds now; its storage is checked.
+            if last is not None and last.kind != KEPT and _ptr(last.current()) != self.ptr:
                 return f"{place.path} ({self.facts}) is on other memory now (.data =, set_ or resize_)"
         return None
 
