@@ -12,7 +12,7 @@ from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.contract.modes import Compiler, SpecialMode, Strategy
 from devgraph.contract.phases import PHASES, Phase
-from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
+from devgraph.contract.platform import Availability, DeviceEvent, DeviceGraph, GraphPlatform
 from devgraph.errors import (
     BackendUnavailableError,
     CaptureError,
@@ -32,11 +32,13 @@ from devgraph.registry.hookspecs import hookimpl
 from devgraph.registry.plugins import get_registry
 from devgraph.registry.register import register_backend
 from devgraph.registry.rules import CompatibilityRule
-from devgraph.runner.capture.background import BackgroundCapture
-from devgraph.runner.capture.loop import CaptureReport, KeyReport
-from devgraph.runner.capture.pool import GraphPool
+from devgraph.runner.background import BackgroundCapture
+from devgraph.runner.capture.job import CaptureReport, KeyReport
 from devgraph.runner.dispatch import EagerReason, FallbackReason
 from devgraph.runner.graph_runner import GraphRunner
+from devgraph.runner.handle import StepHandle
+from devgraph.runner.life import LifeState
+from devgraph.runner.shared_pool import GraphPool
 from devgraph.runner.state import StateHooks
 from devgraph.runner.stepping import Agreement
 from devgraph.runner.verify import VerifyResult
@@ -57,6 +59,7 @@ __all__ = [
     "DEFAULT_DECODE_SIZES",
     "DEFAULT_PREFILL_SIZES",
     "DevGraphError",
+    "DeviceEvent",
     "DeviceGraph",
     "DeviceGraphBackend",
     "DeviceGraphConfig",
@@ -68,6 +71,7 @@ __all__ = [
     "GraphRunner",
     "InputError",
     "KeyReport",
+    "LifeState",
     "PHASES",
     "Phase",
     "PhaseConfig",
@@ -80,6 +84,7 @@ __all__ = [
     "SpecialMode",
     "StateHooks",
     "StaticInput",
+    "StepHandle",
     "Strategy",
     "TOKENS",
     "VerifyResult",

@@ -157,6 +157,16 @@ def shift_rows(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[:1]), x[:-1]]) - bias
 
 
+@graph_break("devgraph_test::host_read_at_four")
+def host_read_at_four(x: torch.Tensor) -> torch.Tensor:
+    """Reads a value on the host for 4-row batches: fine eagerly (between segments), not inside a graph
+    (``full`` cannot capture the key of 4 rows; a fallback graph set can: tests/test_fallback.py,
+    tests/test_life.py)."""
+    if x.shape[0] == 4:
+        return x * float(x.abs().sum().item() >= 0)
+    return x * 1.0
+
+
 def chained_breaks(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Two break ops back to back (the second reads the first's output, a weak alias into the graph pool
     on a device), then a segment."""

@@ -174,7 +174,7 @@ def test_a_library_handle_created_inside_capture_gets_warm_up_advice():
 def test_cuda_platform_leaves_the_cublas_handle_failure_to_the_advice_table_so_it_is_advised_once():
     from types import SimpleNamespace
 
-    from devgraph.runner.capture.loop import capture_failure
+    from devgraph.runner.capture.job import capture_failure
 
     platform = pytest.importorskip("devgraph_cuda.platform").CudaPlatform()
     error = RuntimeError("CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`")
@@ -212,7 +212,7 @@ def test_a_forward_that_takes_only_some_sizes_still_captures_when_the_layout_pro
 
 # -- progress: a bar on a terminal, a log line per key elsewhere (a server's log shows start-up moving) --
 def test_show_progress_is_a_bar_on_a_terminal_and_log_lines_elsewhere(monkeypatch):
-    from devgraph.runner.capture.loop import show_progress
+    from devgraph.runner.capture.job import show_progress
 
     monkeypatch.setattr("sys.stderr.isatty", lambda: False)
     assert show_progress(None, rank=0) == "log" and show_progress(None, rank=1) == "off"
@@ -224,9 +224,9 @@ def test_show_progress_is_a_bar_on_a_terminal_and_log_lines_elsewhere(monkeypatc
 
 def test_capture_off_a_terminal_logs_one_line_per_key(caplog, monkeypatch):
     monkeypatch.setattr("sys.stderr.isatty", lambda: False)
-    with caplog.at_level(logging.INFO, logger="devgraph.runner.capture.loop"):
+    with caplog.at_level(logging.INFO, logger="devgraph.runner.capture.job"):
         make(Recorder()).capture()
-    lines = [r.getMessage() for r in caplog.records if r.name == "devgraph.runner.capture.loop"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "devgraph.runner.capture.job"]
     assert [line.split(" (")[0] for line in lines] == [
         "captured decode graph 1/3",
         "captured decode graph 2/3",
@@ -235,6 +235,6 @@ def test_capture_off_a_terminal_logs_one_line_per_key(caplog, monkeypatch):
     assert "tokens=4" in lines[0] and "full" in lines[0] and lines[0].endswith(" s")
     caplog.clear()
     monkeypatch.setattr("sys.stderr.isatty", lambda: True)  # a terminal: the bar, and no lines
-    with caplog.at_level(logging.INFO, logger="devgraph.runner.capture.loop"):
+    with caplog.at_level(logging.INFO, logger="devgraph.runner.capture.job"):
         make(Recorder()).capture()
-    assert not [r for r in caplog.records if r.name == "devgraph.runner.capture.loop"]
+    assert not [r for r in caplog.records if r.name == "devgraph.runner.capture.job"]

@@ -558,15 +558,13 @@ def test_capture_is_largest_first_on_one_stream_and_pool_with_gc_frozen_and_a_re
 
 # -- the plug-in -------------------------------------------------------------------------------------
 def test_cuda_platform_backends_and_defaults():
-    from devgraph_cuda.plugin import DEFAULTS
-
     platform = devgraph.resolve_platform(DEVICE)
     if not ON_CUDA:
         pytest.skip("platform checks need the GPU")
     assert platform.name == "cuda" and platform.availability()
     assert "CUDA" in platform.describe()
-    for phase, mode in DEFAULTS.items():
-        assert devgraph.create_backend(DEVICE, phase, "auto").name == mode
+    for phase in devgraph.Phase:
+        assert devgraph.create_backend(DEVICE, phase.value, "auto").name == phase.spec.default_mode
     for mode in STRATEGIES:
         backend = devgraph.create_backend(DEVICE, "prefill", mode)
         assert type(backend).__module__ == "devgraph_cuda.backends"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from devgraph import ConfigError, GraphRunner, InputError, StaticInput, is_capturing
-from devgraph.contract.keys import GraphKey
-from devgraph.runner.dispatch import Decision, Dispatcher, EagerReason
+from devgraph.contract.keys import Batch, GraphKey
+from devgraph.runner.dispatch import Decision, Dispatcher, EagerReason, FallbackReason, KeySet, Readiness
 from devgraph.runner.schedule import KeySchedule
 
 TOKEN_SIZES = (4, 8, 16)
@@ -82,21 +82,32 @@ def test_route_picks_the_smallest_key_that_holds_every_count():
     assert route(d, 12, 17) == Decision(None, EagerReason.AXIS_PAST_LARGEST)
 
 
-def test_decide_checks_the_runners_state_first():
+def test_decide_is_a_function_of_the_step_the_readiness_and_the_key_sets():
     d = Dispatcher(schedule([2, 4]))
     counts = {"tokens": 3, "requests": 2}
-    captured = {GraphKey.of(4, {"requests": 2})}
-    decide = lambda **kw: d.decide(counts, {}, has_shape=captured.__contains__, **kw)  # noqa: E731
-    assert decide(uses_graphs=False, captured=True).reason is EagerReason.DISABLED
-    assert decide(uses_graphs=True, captured=False).reason is EagerReason.BEFORE_CAPTURE
-    assert decide(uses_graphs=True, captured=True).key == GraphKey.of(4, {"requests": 2})
-    assert (
-        decide(uses_graphs=True, captured=True, can_run=lambda key: False).reason
-        is EagerReason.BACKEND_DECLINED
+    key = GraphKey.of(4, {"requests": 2})
+    captured = {key}
+    primary = KeySet(captured.__contains__)
+    ready = Readiness(None)
+    assert d.decide(counts, {}, Readiness(EagerReason.DISABLED), [primary]).reason is EagerReason.DISABLED
+    before = Readiness(EagerReason.BEFORE_CAPTURE)
+    assert d.decide(counts, {}, before, [primary]).reason is EagerReason.BEFORE_CAPTURE
+    assert d.decide(counts, {}, ready, [primary]) == Decision(key)
+    step = Batch(3, counts=counts)
+    declining = KeySet(captured.__contains__, veto=lambda batch: batch.context != "decline")
+    assert d.decide(counts, {}, ready, [declining]) == Decision(key)  # no step: no veto asked
+    assert d.decide(counts, {}, ready, [declining], step, "decline").reason is EagerReason.BACKEND_DECLINED
+    assert d.decide(counts, {}, ready, [declining], step, "fine") == Decision(key)
+    assert d.decide(counts, {}, ready, [declining, primary], step, "decline") == Decision(
+        key, fallback=FallbackReason.BACKEND_DECLINED
     )
     captured.clear()
-    assert decide(uses_graphs=True, captured=True).reason is EagerReason.NOT_CAPTURED
-    assert decide(uses_graphs=True, captured=True, lazy=True).key == GraphKey.of(4, {"requests": 2})
+    assert d.decide(counts, {}, ready, [primary]).reason is EagerReason.NOT_CAPTURED
+    capturing = Readiness(None, EagerReason.CAPTURING)
+    assert d.decide(counts, {}, capturing, [primary]).reason is EagerReason.CAPTURING
+    assert d.decide(counts, {}, ready, [primary, KeySet({key}.__contains__)]) == Decision(
+        key, fallback=FallbackReason.NOT_CAPTURED
+    )
 
 
 def test_variants_are_part_of_the_key():

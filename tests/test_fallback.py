@@ -7,8 +7,9 @@ import logging
 
 import pytest
 import torch
+from conftest import host_read_at_four
 
-from devgraph import GraphRunner, StaticInput, graph_break
+from devgraph import GraphRunner, StaticInput
 from devgraph.contract.keys import Batch
 from devgraph.errors import CaptureError, ConfigError
 from devgraph.flag.config import DeviceGraphConfig
@@ -18,14 +19,6 @@ from devgraph.strategies.full import FullGraphBackend
 INPUTS = {"x": StaticInput(torch.float32, (4,))}
 SIZES = [2, 4, 8]
 FALLBACK = '{"decode": {"backend": "full", "fallback": "breakable"}}'
-
-
-@graph_break("devgraph_test::host_read_at_four")
-def host_read_at_four(x: torch.Tensor) -> torch.Tensor:
-    """Reads a value on the host for 4-row batches: fine eagerly (between segments), not inside a graph."""
-    if x.shape[0] == 4:
-        return x * float(x.abs().sum().item() >= 0)
-    return x * 1.0
 
 
 def forward(x: torch.Tensor) -> torch.Tensor:

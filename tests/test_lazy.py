@@ -10,7 +10,7 @@ import torch
 from devgraph import ConfigError, GraphRunner, StaticInput, is_capturing
 from devgraph.contract.keys import GraphKey
 from devgraph.runner.capture.lazy import LruKeys
-from devgraph.runner.plan import LazyPolicy
+from devgraph.runner.options import LazyPolicy
 
 SIZES = [16, 32, 48, 64]
 INPUTS = {"x": StaticInput(torch.float32, (3,), fill=0.0)}

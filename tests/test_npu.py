@@ -23,6 +23,7 @@ import devgraph
 from devgraph import CaptureError, ConfigError, GraphKey, GraphRunner, StaticInput
 from devgraph.cli.info import collect_info
 from devgraph.errors import BackendUnavailableError, DevGraphError
+from devgraph.flag.factory import auto_mode
 
 ensure_plugins_importable()
 
@@ -61,7 +62,8 @@ def test_unusable_without_torch_npu_and_says_why(no_torch_npu, registry):
     assert not npu["usable"]
     assert "torch-npu is not installed" in npu["reason"] and "devgraph-npu[ascend]" in npu["reason"]
     backend = next(b for b in info["backends"] if (b["platform"], b["name"]) == ("npu", "full"))
-    assert not backend["usable"] and backend["default_for"] == ["decode"]
+    assert not backend["usable"] and backend["default_for"] == ["decode", "verify"]
+    assert auto_mode("npu", "verify", registry) == ("full", None)  # verify is like decode
     assert "torch_npu" not in [m for m, v in sys.modules.items() if v is not None]
     with pytest.raises(_torch_npu.TorchNpuUnavailable, match="not installed") as err:
         _torch_npu.load()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from devgraph import ConfigError, GraphRunner, PhaseConfig, StaticInput, create_backend
-from devgraph.runner.plan import FLAG_KEYS, RunnerPlan, flag_over_arguments
+from devgraph.runner.options import FLAG_KEYS, RunnerPlan, flag_over_arguments
 
 INPUTS = {"x": StaticInput(torch.float32, (3,))}
 
@@ -115,7 +115,7 @@ def test_single_thread_runs_the_same_steps_without_the_lock():
         shared.capture()
         x = torch.randn(3, 3)
         torch.testing.assert_close(lone.run(x=x), shared.run(x=x))
-        assert lone.plan.single_thread and not shared.plan.single_thread
+        assert lone.plan.safety.single_thread and not shared.plan.safety.single_thread
         assert lone.stats()["replays"] == 1
 
 

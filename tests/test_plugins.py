@@ -275,6 +275,7 @@ def test_bad_registrations():
         registry.add_backend(FullGraphBackend, name="x", platform="cpu", phases=("decod",), origin="test")
     with pytest.raises(RegistrationError, match="a list of phase names"):
         registry.add_backend(FullGraphBackend, name="x", platform="cpu", phases="decode", origin="test")
+    registry.add_backend(FullGraphBackend, name="y", platform="cpu", default_for=("decode",), origin="test")
     with pytest.raises(RegistrationError, match="default for phase"):
         registry.add_backend(
             FullGraphBackend, name="x", platform="cpu", default_for=("decode",), origin="test"

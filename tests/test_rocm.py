@@ -51,7 +51,7 @@ def test_unusable_on_a_build_without_hip(monkeypatch, registry):
     rocm = next(p for p in info["platforms"] if p["name"] == "rocm")
     assert not rocm["usable"] and "not a ROCm build" in rocm["reason"] and "rocm" in rocm["reason"]
     backends = {b["name"]: b for b in info["backends"] if b["platform"] == "rocm"}
-    assert backends["full"]["default_for"] == ["decode"]
+    assert backends["full"]["default_for"] == ["decode", "verify"]  # verify is like decode (PhaseSpec.like)
     assert backends["tc_piecewise"]["default_for"] == ["encode", "prefill"]
     assert backends["breakable"]["default_for"] == [] and not backends["breakable"]["usable"]
     assert backends["breakable"]["reason"] == BREAKABLE_REFUSED

@@ -257,7 +257,7 @@ def test_close_releases_graph_memory_and_works_as_a_context_manager():
     for call in (runner.capture, lambda: runner.run(**batch(2)), lambda: runner.verify(**batch(2))):
         with pytest.raises(ConfigError, match="closed"):
             call()
-    assert "captured=False" in repr(runner)
+    assert "life=closed" in repr(runner)
 
 
 def test_barrier_between_warmup_and_capture_with_a_process_group(monkeypatch, unused_tcp_port):

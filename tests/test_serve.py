@@ -273,8 +273,8 @@ def test_start_up_logs_each_stage_when_stderr_is_not_a_terminal(server: Server) 
         "devgraph.serve.api.startup INFO model ready in",
         "devgraph.serve.api.startup INFO capturing graphs (--device-graph-mode auto)",
         "devgraph.serve.api.startup INFO graphs ready in",
-        "devgraph.runner.capture.loop INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
-        "devgraph.runner.capture.loop INFO captured prefill graph 1/1",
+        "devgraph.runner.capture.job INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
+        "devgraph.runner.capture.job INFO captured prefill graph 1/1",
         "devgraph.serve.api.server INFO warm-up requests served in",
     ):
         assert line in log, log[-3000:]

@@ -42,6 +42,7 @@ from devgraph.reference import (
 )
 from devgraph.reference.tp import TPReferenceModel, tp_decode_runner, tp_prefill_runner
 from devgraph.runner.graph_runner import GraphRunner
+from devgraph.runner.life import LifeState
 from devgraph.strategies.full import FullGraphBackend
 
 DECODE_SIZES = [1, 2, 4]
@@ -403,7 +404,7 @@ def teardown(ctx: Ctx) -> dict[str, Any]:
     runner, _ = _captured_runner(ctx, sub)
     start = time.perf_counter()
     dist.destroy_process_group(sub)
-    closed_by_destroy = "captured=False" in repr(runner)
+    closed_by_destroy = runner.life.state is LifeState.CLOSED
     runner.close()  # a no-op now
     found["destroy_first"] = {
         "seconds": time.perf_counter() - start,
@@ -417,7 +418,7 @@ def teardown(ctx: Ctx) -> dict[str, Any]:
     ranks.destroy_process_group(sub)
     found["devgraph_destroy"] = {
         "seconds": time.perf_counter() - start,
-        "closed_by_destroy": "captured=False" in repr(runner),
+        "closed_by_destroy": runner.life.state is LifeState.CLOSED,
         "group_alive": ranks.group_alive(sub),
     }
     # 3. The documented order on the world group: close(), then destroy.

@@ -106,17 +106,19 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
     (
         Row(
             ("devgraph.runner.*",),
-            "`GraphRunner` (`graph_runner.py`) and its parts (their order is below): `plan.py` (the flag "
-            "and the arguments resolved once into a frozen `RunnerPlan`; `plan_view.py` its read-only views "
-            "on the runner), `memory.py` (the graph-memory estimate and per-key bytes), `schedule.py`, "
-            "`staging.py`, `dispatch.py`, `stepping.py` (one step: decide, agree, guard, replay), "
-            "`lifecycle.py` (assembling, start-up, refresh, retune, recording), `stats.py`, `state.py`, "
-            "`verify.py`, `inspection.py`, `metrics.py`; `capture/` (the capture loop, the runner's graphs "
-            "and its graph sets (`sets.py`: primary and fallback), shared pools (`pool.py`), advice per "
-            "failure, the layout probe, the probe for undeclared state, the lazily captured cache, capture "
-            "in the background key by key (`background.py`, `pending.py`)); `guard/` (the address guard: "
-            "events, paths to tensors, the observed run and the hazards it shows, host values baked at "
-            "capture (`values.py`): the sanitizer); `outputs/` (pytree helpers, the output layout)",
+            "`GraphRunner` (`graph_runner.py`: the front door, the lock, validation, `run`/`submit`/"
+            "`verify`, delegation) and the pieces it delegates to, one owner each (their order is below): `options.py` "
+            "(the keywords, `RunnerOptions`, resolved once into a frozen `RunnerPlan`), `life.py` "
+            "(`GraphLife`: the graph sets, pool, guard, pending keys and released record, one `LifeState`, "
+            "the transitions), `stepping.py` (`Stepper`: one step), `dispatch.py` (deciding: a function of "
+            "the step, the life's `Readiness` and the `KeySet`s), `schedule.py`, `staging.py`, `memory.py` "
+            "(graph bytes, exact and estimated), `background.py` (`BackgroundCapture`, which drives lives "
+            "key by key), `shared_pool.py` (`GraphPool`), `handle.py` (`StepHandle`), `stats.py`, `state.py`, "
+            "`verify.py`, `inspection.py`, `metrics.py`; `capture/` (capturing keys: `job.py` the capture "
+            "loop and its report, `graph_set.py` one strategy's graphs, `sets.py` the primary and fallback "
+            "sets, `pending.py`, `lazy.py`, `advice.py`, `probe.py`, `undeclared.py`); `guard/` (the address "
+            "guard: events, paths to tensors, the observed run and the hazards it shows, host values baked "
+            "at capture (`values.py`): the sanitizer); `outputs/` (pytree helpers, the output layout)",
         ),
     ),
     (
@@ -177,17 +179,19 @@ FACE_PENDING: tuple[str, ...] = ("devgraph.serve.*", "devgraph.cli.*")
 #: of one level do not import each other. A folder's own ``__init__`` sits on top (it may re-export).
 ORDERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "devgraph.runner": (
-        # what every part reads: declared state, the key schedule, metrics, outputs, the address guard
-        ("state", "schedule", "metrics", "outputs.*", "guard.*", "capture.advice", "capture.pool"),
-        ("dispatch", "verify", "capture.undeclared"),
-        ("plan", "stats", "capture.loop"),
-        ("staging", "plan_view", "inspection", "capture.lazy", "capture.probe", "capture.pending"),
-        ("capture.graphs",),
-        ("capture.sets",),
+        # what every part reads: declared state, the key schedule, metrics, outputs, the address guard,
+        # the shared pool and the step handle
+        ("state", "schedule", "metrics", "handle", "shared_pool", "outputs.*", "guard.*", "capture.advice"),
+        ("options", "dispatch", "verify", "capture.undeclared"),  # the plan resolved once; deciding
+        ("staging", "stats", "capture.job"),
+        ("capture.lazy", "capture.probe", "capture.pending", "inspection"),
+        ("capture.graph_set",),  # one strategy's graphs
+        ("capture.sets",),  # the primary and the fallback set
+        ("memory",),
+        ("life",),  # the graph life: one owner, one state, the transitions
         ("stepping",),  # one step: decide, agree, guard, replay
-        ("lifecycle",),  # assembling, start-up, refresh, retune, recording
-        ("memory", "capture.background"),
-        ("graph_runner",),
+        ("graph_runner",),  # the front door
+        ("background",),  # drives runners' lives key by key
         ("__init__", "capture"),
     ),
     "devgraph.serve": (

@@ -131,7 +131,7 @@ def guard(model: ReferenceModel, dev: Device, iters: int, seq_len: int) -> dict[
     for _ in range(5):
         for name, runner in runners.items():
             run_us[name].append(host_us(dev, lambda r=runner: r.run(**batch), iters))
-    check = runners["guarded"]._steps.guard
+    check = runners["guarded"].life.guard
     assert check is not None
     start = time.perf_counter_ns()
     for _ in range(100_000):

@@ -13,6 +13,7 @@ from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.phases import PHASES
 from devgraph.contract.platform import Availability, ask_availability
 from devgraph.errors import BackendUnavailableError
+from devgraph.flag.factory import auto_phases
 from devgraph.registry.plugins import Registry, get_registry
 
 __all__ = ["collect_info", "run_info"]
@@ -67,7 +68,7 @@ def collect_info(registry: Registry | None = None) -> dict[str, Any]:
                 "platform": platform_name,
                 "name": name,
                 "phases": sorted(backend_spec.phases),
-                "default_for": sorted(backend_spec.default_for),
+                "default_for": sorted(auto_phases(platform_name, name, registry)),
                 "origin": backend_spec.origin,
                 "usable": availability.usable,
                 "reason": availability.reason,

@@ -18,7 +18,7 @@ import torch
 from devgraph.errors import CaptureError
 from devgraph.messages import describe_error, shorten
 
-__all__ = ["Availability", "DeviceGraph", "GraphPlatform", "ask_availability"]
+__all__ = ["Availability", "DeviceEvent", "DeviceGraph", "DoneEvent", "GraphPlatform", "ask_availability"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,26 @@ class DeviceGraph(Protocol):
     def replay(self) -> None: ...
 
     def reset(self) -> None: ...
+
+
+@runtime_checkable
+class DeviceEvent(Protocol):
+    """A point in a stream's work (``torch.cuda.Event`` satisfies this): whether the work issued before it
+    has finished, and a wait for it."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class DoneEvent:
+    """The event of a device whose work has finished when the call that issued it returns (the CPU)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
 
 
 class GraphPlatform(ABC):
@@ -188,6 +208,12 @@ class GraphPlatform(ABC):
             replay()
         self.synchronize()
         return (time.perf_counter() - start) / max(iters, 1)
+
+    def record_event(self) -> DeviceEvent:
+        """An event recorded on the current stream now: it completes when the work issued on that stream
+        before it does (a runner's ``submit()`` hands it out after a step). The default suits a device
+        whose work is done when issued; an asynchronous device records a real event."""
+        return DoneEvent()
 
     # -- memory ----------------------------------------------------------------------------------
     @abstractmethod

@@ -17,7 +17,7 @@ import torch
 
 from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
 from devgraph.contract.modes import EAGER_MODES, SpecialMode
-from devgraph.contract.phases import check_phase
+from devgraph.contract.phases import Phase, check_phase
 from devgraph.contract.platform import Availability, GraphPlatform, ask_availability
 from devgraph.errors import BackendUnavailableError, ConfigError
 from devgraph.flag.config import FLAG, DeviceGraphConfig, PhaseConfig
@@ -30,7 +30,10 @@ from devgraph.strategies.eager import EagerBackend
 __all__ = [
     "PLATFORM_ENV",
     "ResolvedPhase",
+    "auto_mode",
+    "auto_phases",
     "best_platform",
+    "build_backend",
     "create_backend",
     "platform_availability",
     "preferred_platform",
@@ -63,6 +66,8 @@ class ResolvedPhase:
     backend: str
     config: PhaseConfig
     downgrades: tuple[Downgrade, ...] = ()
+    #: Why ``auto`` chose no graphs (``None``: it chose a graph mode, or the flag named the mode).
+    eager_reason: str | None = None
 
     def backend_options(self) -> dict[str, Any]:
         """What ``create_backend(options=...)`` takes for this phase."""
@@ -205,15 +210,46 @@ def usable_platform(device: torch.device | str | None, *, flag: str = "--device"
     return platform
 
 
-def resolve_mode(platform: str, phase: str, mode: str, registry: Registry | None = None) -> str:
-    """The concrete backend name for ``mode`` (``auto`` -> the platform's default for ``phase``)."""
+def auto_mode(platform: str, phase: str, registry: Registry | None = None) -> tuple[str, str | None]:
+    """What ``auto`` picks for ``phase`` on ``platform``, and why when that is ``eager`` (else ``None``).
+
+    In order: the backend the platform's plug-in names the default for the phase (``default_for=``); the
+    phase's :attr:`~devgraph.contract.phases.PhaseSpec.default_mode` where the platform registers it for
+    the phase; then the same for the phase it is ``like`` (verify: decode). Only when none of them runs
+    the phase here does ``auto`` mean no graphs, and the reason names what was looked for."""
     registry = registry or get_registry()
+    wanted = Phase.parse(phase)
+    looked: list[str] = []
+    current: Phase | None = wanted
+    while current is not None:
+        named = registry.default_spec(platform, current.value)
+        if named is not None and wanted.value in named.phases:
+            return named.name, None
+        mode = current.spec.default_mode
+        spec = registry.backends.get((platform, mode))
+        if spec is not None and wanted.value in spec.phases:
+            return mode, None
+        looked.append(f"{mode!r} ({current}'s default)")
+        current = current.spec.like
+    reason = (
+        f"auto runs {wanted} eagerly on {platform}: no backend there takes the phase (looked for "
+        f"{' and '.join(looked)}); name a mode that does (devgraph info lists them) or install its plug-in"
+    )
+    return SpecialMode.EAGER.value, reason
+
+
+def auto_phases(platform: str, name: str, registry: Registry | None = None) -> list[str]:
+    """The phases for which ``auto`` picks backend ``name`` on ``platform`` (``devgraph info`` shows them)."""
+    return [p.value for p in Phase if auto_mode(platform, p.value, registry)[0] == name]
+
+
+def resolve_mode(platform: str, phase: str, mode: str, registry: Registry | None = None) -> str:
+    """The concrete backend name for ``mode`` (``auto`` -> :func:`auto_mode`)."""
     if mode in EAGER_MODES:
         return SpecialMode.EAGER.value
     if mode != SpecialMode.AUTO.value:
         return mode
-    spec = registry.default_spec(platform, phase)
-    return spec.name if spec is not None else SpecialMode.EAGER.value
+    return auto_mode(platform, phase, registry)[0]
 
 
 def resolve_phase(
@@ -234,7 +270,13 @@ def resolve_phase(
     if features is not None and not isinstance(features, Mapping):
         raise ConfigError(f"features must be a mapping of feature names to values, got {shorten(features)}")
     phase_config = config.for_phase(phase)
-    backend = resolve_mode(platform, phase, phase_config.backend, registry)
+    eager_reason = None
+    if phase_config.backend == SpecialMode.AUTO.value:
+        backend, eager_reason = auto_mode(platform, phase, registry)
+        if eager_reason is not None:
+            _say_once(eager_reason)
+    else:
+        backend = resolve_mode(platform, phase, phase_config.backend, registry)
     compiling = {k: getattr(phase_config, k) for k in ("compiler", "inductor_mode")}
     if registry.accepts_compiler(platform, backend) is False:
         for key, value in compiling.items():
@@ -268,7 +310,17 @@ def resolve_phase(
             ", ".join(f"{k}={v!r}" for k, v in compiling.items() if v is not None),
         )
         phase_config = dataclasses.replace(phase_config, compiler=None, inductor_mode=None)
-    return ResolvedPhase(phase, platform, backend, phase_config, tuple(downgrades))
+    return ResolvedPhase(phase, platform, backend, phase_config, tuple(downgrades), eager_reason)
+
+
+_said: set[str] = set()
+
+
+def _say_once(reason: str) -> None:
+    """Log ``reason`` the first time this process meets it (every runner of the phase resolves it)."""
+    if reason not in _said:
+        _said.add(reason)
+        logger.warning("devgraph: %s", reason)
 
 
 def _backend_options(
@@ -301,7 +353,20 @@ def create_backend(
     """
     registry = registry or get_registry()
     phase = check_phase(phase)
-    platform = resolve_platform(device, registry)
+    return build_backend(resolve_platform(device, registry), phase, mode, options=options, registry=registry)
+
+
+def build_backend(
+    platform: GraphPlatform,
+    phase: str,
+    mode: str = "auto",
+    *,
+    options: BackendOptions | Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+) -> DeviceGraphBackend:
+    """:func:`create_backend` on a platform resolved already (a runner resolves its platform once)."""
+    registry = registry or get_registry()
+    phase = check_phase(phase)
     name = resolve_mode(platform.name, phase, mode, registry)
     if name == SpecialMode.EAGER.value:
         return EagerBackend(

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from devgraph.contract.keys import bucket_index
-from devgraph.contract.phases import Phase
+from devgraph.contract.phases import DEFAULT_DECODE_SIZES, DEFAULT_PREFILL_SIZES, PHASE_SPECS, Phase
 from devgraph.errors import ConfigError
 from devgraph.messages import kind, shorten
 
@@ -32,14 +32,9 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
-#: The largest size a phase may capture on any device: requests for decode and verify (a verify size is
-#: a token count, but of at most a decode batch's requests times 1 + k), tokens for prefill and encode.
-HARD_MAX_SIZE: dict[str, int] = {
-    Phase.DECODE.value: 65536,
-    Phase.VERIFY.value: 65536,
-    Phase.PREFILL.value: 1 << 20,
-    Phase.ENCODE.value: 1 << 20,
-}
+#: The largest size a phase may capture on any device, by phase name (each phase's
+#: :attr:`~devgraph.contract.phases.PhaseSpec.hard_max_size`).
+HARD_MAX_SIZE: dict[str, int] = {phase.value: phase.spec.hard_max_size for phase in Phase}
 #: At most this many sizes per phase (each is a captured graph; real engines use tens).
 MAX_SIZE_COUNT = 1024
 #: The smallest per-row cost assumed when the caller does not say: one row of a 256-wide float32 input.
@@ -50,7 +45,7 @@ _FREE_MEMORY_SHARE = 2
 
 def hard_max_size(phase: str) -> int:
     """The phase's hard cap (:data:`HARD_MAX_SIZE`)."""
-    return HARD_MAX_SIZE[Phase.parse(phase).value]
+    return Phase.parse(phase).spec.hard_max_size
 
 
 def device_max_size(free_bytes: int | None, row_bytes: int | None = None) -> int | None:
@@ -64,9 +59,8 @@ def device_max_size(free_bytes: int | None, row_bytes: int | None = None) -> int
 def _limit(phase: str, free_bytes: int | None, row_bytes: int | None) -> tuple[int, str]:
     """The largest allowed size and a sentence naming both caps."""
     hard = hard_max_size(phase)
-    caps = (
-        f"the hard cap is {HARD_MAX_SIZE['decode']} for decode and verify, "
-        f"{HARD_MAX_SIZE['prefill']} tokens for prefill and encode"
+    caps = "the hard cap is " + ", ".join(
+        f"{spec.hard_max_size} {spec.counts} for {phase}" for phase, spec in PHASE_SPECS.items()
     )
     device = device_max_size(free_bytes, row_bytes)
     if device is None:
@@ -109,34 +103,15 @@ def check_size_list(
     return [check_size(phase, s, f"{what} entry", free_bytes=free_bytes, row_bytes=row_bytes) for s in sizes]
 
 
-#: Decode batch sizes: dense at small batches (where latency matters most), then steps of 8, 16 and 32.
-DEFAULT_DECODE_SIZES: tuple[int, ...] = (
-    1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128,
-    144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512,
-)  # fmt: skip
-
-#: Prefill / encode token counts: powers of two and the 1.5x points between them.
-DEFAULT_PREFILL_SIZES: tuple[int, ...] = (
-    16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192,
-)  # fmt: skip
-
-# (free-memory threshold, decode max, prefill max): more free memory affords larger graphs.
-_MAX_BY_FREE_MEMORY: tuple[tuple[int, int, int], ...] = (
-    (8 * GiB, 16, 256),
-    (24 * GiB, 64, 1024),
-    (48 * GiB, 128, 2048),
-)
-_MAX_LARGEST = (256, 4096)
-
-
 def default_max_size(phase: str, free_bytes: int | None) -> int:
-    """The largest size to capture when the user gives none, from the device's free memory."""
-    decode = Phase.parse(phase) is Phase.DECODE
+    """The largest size to capture when the user gives none, from the device's free memory (the phase's
+    :attr:`~devgraph.contract.phases.PhaseSpec.max_by_free_memory`)."""
+    spec = Phase.parse(phase).spec
     if free_bytes is not None:
-        for threshold, decode_max, prefill_max in _MAX_BY_FREE_MEMORY:
+        for threshold, largest in spec.max_by_free_memory:
             if free_bytes < threshold:
-                return decode_max if decode else prefill_max
-    return _MAX_LARGEST[0] if decode else _MAX_LARGEST[1]
+                return largest
+    return spec.largest_default
 
 
 @dataclass(frozen=True)
@@ -198,7 +173,7 @@ def resolve_sizes(
     if max_size is not None:
         check_size(phase, max_size, f"{phase} max_size", **limits)
     if sizes is None:
-        defaults = DEFAULT_DECODE_SIZES if chosen_phase is Phase.DECODE else DEFAULT_PREFILL_SIZES
+        defaults = chosen_phase.spec.default_sizes
         if max_size is not None:
             top = max_size
         else:

@@ -180,6 +180,11 @@ class TorchCudaGraphPlatform(GraphPlatform):
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / max(iters, 1)
 
+    def record_event(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info()
         return int(free), int(total)

@@ -30,9 +30,8 @@ def devgraph_register_platforms(register: Callable[[type[Any]], None]) -> None:
 def devgraph_register_backends(register: Callable[..., None]) -> None:
     from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
 
+    # No default_for: ``auto`` takes each phase's default mode (devgraph.contract.phases.PHASE_SPECS).
     for platform in ("cpu", "accelerator"):
-        register(FullGraphBackend, name="full", platform=platform, default_for=_defaults_for("full"))
-        register(
-            BreakableBackend, name="breakable", platform=platform, default_for=_defaults_for("breakable")
-        )
+        register(FullGraphBackend, name="full", platform=platform)
+        register(BreakableBackend, name="breakable", platform=platform)
         register(TcPiecewiseBackend, name="tc_piecewise", platform=platform)

@@ -1,23 +1,25 @@
 """Deciding, per step, whether a graph replays and which one (the backends only capture and replay).
 
-:meth:`Dispatcher.decide` maps a validated step to the smallest captured :class:`GraphKey` that holds it:
-the smallest token size ``>= n`` whose buckets on every other axis hold that axis's count, with the step's
-variant. When no key fits, the step runs eagerly and the :class:`EagerReason` says why; the runner counts
-every reason, so no eager fallback is silent. A runner with a second graph set (``fallback``) replays the
-fallback's graph of the key where the primary declines it, counted by :class:`FallbackReason`.
+:meth:`Dispatcher.decide` is a function of the step and data: the :class:`Readiness` the runner's graph
+life is in, and one :class:`KeySet` per graph set (which keys it replays now, its backend's veto). It maps
+a validated step to the smallest :class:`GraphKey` that holds it (:meth:`Dispatcher.route`: the smallest
+token size ``>= n`` whose buckets on every other axis hold that axis's count, with the step's variant), then
+asks the sets in order: the primary's graph replays if it holds the key and its backend does not veto the
+step; else the fallback set's (counted by :class:`FallbackReason`). When none does, the step runs eagerly
+and the :class:`EagerReason` says why; the runner counts every reason, so no eager fallback is silent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from devgraph.contract.keys import TOKENS, GraphKey, bucket_index
+from devgraph.contract.keys import TOKENS, Batch, GraphKey, bucket_index
 from devgraph.contract.modes import Word
 from devgraph.runner.schedule import KeySchedule
 
-__all__ = ["Decision", "Dispatcher", "EagerReason", "FallbackReason", "SecondSet"]
+__all__ = ["Decision", "Dispatcher", "EagerReason", "FallbackReason", "KeySet", "Readiness"]
 
 
 class EagerReason(Word):
@@ -53,14 +55,22 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class SecondSet:
-    """The fallback graph set as the dispatcher asks it: does it hold the key, and may the step replay it."""
+class KeySet:
+    """One graph set as the dispatcher reads it: whether it replays a key now (``holds``), and its
+    backend's veto over a step padded to the key (``veto``: ``backend.can_run``; ``None``: it has none)."""
 
-    has_shape: Callable[[GraphKey], bool]
-    can_run: Callable[[GraphKey], bool] | None = None
+    holds: Callable[[GraphKey], bool]
+    veto: Callable[[Batch], bool] | None = None
 
-    def takes(self, key: GraphKey) -> bool:
-        return self.has_shape(key) and (self.can_run is None or self.can_run(key))
+
+@dataclass(frozen=True)
+class Readiness:
+    """What the runner's graph life allows now: every step eager for ``eager`` (no graphs, not captured
+    yet, released), else a key whose graph is absent runs eagerly for ``missing`` (``not_captured``, or
+    ``capturing`` while a background capture has keys left)."""
+
+    eager: EagerReason | None
+    missing: EagerReason = EagerReason.NOT_CAPTURED
 
 
 class Dispatcher:
@@ -104,35 +114,29 @@ class Dispatcher:
         self,
         counts: Mapping[str, int],
         variant: Mapping[str, Any],
-        *,
-        uses_graphs: bool,
-        captured: bool,
-        has_shape: Callable[[GraphKey], bool],
-        lazy: bool = False,
-        can_run: Callable[[GraphKey], bool] | None = None,
-        failed: Container[GraphKey] = (),
-        second: SecondSet | None = None,
-        capturing: bool = False,
+        readiness: Readiness,
+        sets: Sequence[KeySet],
+        step: Batch | None = None,
+        context: Any = None,
     ) -> Decision:
-        """Route a step, then check the runner's state: a key replays only if its graph exists (or, for a
-        lazily capturing runner, will be captured now) and ``can_run`` (the backend's veto) allows it;
-        where the primary declines, ``second`` (the fallback set) replays the key if it can. ``capturing``:
-        the keys are being captured in the background; one not captured yet runs eagerly, as ``capturing``."""
-        if not uses_graphs:
-            return Decision(None, EagerReason.DISABLED)
-        if not captured:
-            return Decision(None, EagerReason.BEFORE_CAPTURE)
+        """Route a step, then ask the sets (primary first) whether one replays the key: it ``holds`` it and
+        its ``veto`` allows ``step`` padded to the key (no ``step``: no veto is asked)."""
+        if readiness.eager is not None:
+            return Decision(None, readiness.eager)
         decision = self.route(counts, variant)
         key = decision.key
         if key is None:
             return decision
-        if (not lazy and not has_shape(key)) or (lazy and key in failed):
-            # Not captured; for a lazy runner, its capture failed once (raised then), so it runs eagerly.
-            declined = EagerReason.CAPTURING if capturing else EagerReason.NOT_CAPTURED
-        elif can_run is not None and not can_run(key):
-            declined = EagerReason.BACKEND_DECLINED
-        else:
-            return decision
-        if second is not None and second.takes(key):
-            return Decision(key, fallback=FallbackReason(declined.value))
+        declined: EagerReason | None = None
+        for i, graphs in enumerate(sets):
+            if not graphs.holds(key):
+                reason = readiness.missing
+            elif graphs.veto is not None and step is not None and not graphs.veto(step.routed(key, context)):
+                reason = EagerReason.BACKEND_DECLINED
+            elif declined is None:
+                return decision
+            else:
+                return Decision(key, fallback=FallbackReason(declined.value))
+            if i == 0:
+                declined = reason
         return Decision(None, declined)

@@ -7,9 +7,9 @@ from typing import Any
 
 from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.keys import GraphKey
-from devgraph.runner.capture.loop import KeyReport
+from devgraph.runner.capture.job import KeyReport
+from devgraph.runner.options import RunnerPlan
 from devgraph.runner.outputs.layout import OutputLayout
-from devgraph.runner.plan import RunnerPlan
 
 __all__ = ["describe_runner"]
 
@@ -38,6 +38,7 @@ def describe_runner(
         "device": str(plan.device),
         "mode": str(plan.flag),
         "downgrades": [d.rule for d in plan.resolved.downgrades],
+        "eager_reason": plan.resolved.eager_reason,
         "captured": captured,
         "lazy": plan.capture.lazy,
         "warmup_iters": plan.capture.warmup_iters,

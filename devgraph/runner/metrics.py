@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 from devgraph.extras import require_extra
 
-__all__ = ["RunnerCollector", "register_runners"]
+__all__ = ["Reporting", "RunnerCollector", "register_runners"]
+
+
+class Reporting(Protocol):
+    """What the collector reads: a runner's ``stats()`` (a ``GraphRunner``, or anything reporting alike)."""
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 def _prometheus() -> Any:
@@ -35,22 +41,22 @@ def _prometheus() -> Any:
 class RunnerCollector:
     """A Prometheus collector over one or more runners (anything with ``stats()``)."""
 
-    def __init__(self, runners: Any = (), *, namespace: str = "devgraph") -> None:
+    def __init__(self, runners: Iterable[Reporting] = (), *, namespace: str = "devgraph") -> None:
         _prometheus()  # fail here, with the install hint, rather than at the first scrape
         self._metrics = importlib.import_module("prometheus_client.core")
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._runners: list[Any] = []
+        self._runners: list[Reporting] = []
         for runner in runners:
             self.add(runner)
 
-    def add(self, runner: Any) -> None:
+    def add(self, runner: Reporting) -> None:
         """Start reporting ``runner`` (once, however often it is added)."""
         with self._lock:
             if not any(r is runner for r in self._runners):
                 self._runners.append(runner)
 
-    def remove(self, runner: Any) -> None:
+    def remove(self, runner: Reporting) -> None:
         """Stop reporting ``runner`` (e.g. after ``close()``)."""
         with self._lock:
             self._runners = [r for r in self._runners if r is not runner]
@@ -110,7 +116,9 @@ class RunnerCollector:
         yield from families.values()
 
 
-def register_runners(*runners: Any, registry: Any = None, namespace: str = "devgraph") -> RunnerCollector:
+def register_runners(
+    *runners: Reporting, registry: Any = None, namespace: str = "devgraph"
+) -> RunnerCollector:
     """A :class:`RunnerCollector` over ``runners``, registered with ``registry`` (default: the global
     ``prometheus_client.REGISTRY``); add more runners later with ``collector.add(runner)``."""
     prometheus = _prometheus()

@@ -3,7 +3,8 @@
 Token sizes come from :mod:`devgraph.flag.sizes` (per phase defaults, ``max_size``, the user's list). Every
 other axis an input declares gets, for each token size ``T``, a short list of buckets:
 
-* uniform phases (``decode``, ``verify``): ``requests`` is exactly ``T // tokens_per_request``;
+* uniform phases (``decode``, ``verify``: :attr:`~devgraph.contract.phases.PhaseSpec.uniform`):
+  ``requests`` is exactly ``T // tokens_per_request``;
 * otherwise the default is one bucket, ``T`` (a step never has more requests than tokens), so each token
   size has one graph; an engine narrows it with ``axes={"requests": 64}`` (at most 64 requests: one
   bucket ``min(T, 64)``), a list of buckets for every ``T``, a ``{T: [...]}`` mapping or a function of ``T``.
@@ -160,22 +161,27 @@ class KeySchedule:
 
 
 def tokens_per_request_for(phase: Phase, given: int | None) -> int | None:
-    """Decode: 1; verify: ``1 + k`` (required); prefill/encode: none (requests vary)."""
+    """The phase's tokens per request (:class:`~devgraph.contract.phases.PhaseSpec`): fixed (decode: 1),
+    the engine's (verify: ``1 + k``, required), or none (prefill/encode: requests vary)."""
     if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
         raise ConfigError(f"tokens_per_request must be a positive int, got {shorten(given)}")
-    if not phase.uniform:
+    spec = phase.spec
+    if not spec.uniform:
         if given is not None:
             raise ConfigError(
                 f"{phase} steps have a varying number of tokens per request; drop tokens_per_request"
             )
         return None
-    if phase is Phase.DECODE:
-        if given not in (None, 1):
-            raise ConfigError(f"decode has one token per request; use phase='verify' for {given} per request")
-        return 1
+    fixed = spec.tokens_per_request
+    if fixed is not None:
+        if given not in (None, fixed):
+            raise ConfigError(
+                f"{phase} has {fixed} token per request; use phase='verify' for {given} per request"
+            )
+        return fixed
     if given is None:
         raise ConfigError(
-            "the verify phase needs tokens_per_request=1 + k (k draft tokens per request), e.g. 4 for k=3"
+            f"the {phase} phase needs tokens_per_request=1 + k (k draft tokens per request), e.g. 4 for k=3"
         )
     return given
 
@@ -199,15 +205,22 @@ def _row_bytes(inputs: Mapping[str, StaticInput]) -> int:
     )
 
 
-def _verify_sizes(
-    sizes: Sequence[int] | None, max_size: int | None, tpr: int, free: int | None, row_bytes: int
+def _uniform_sizes(
+    phase: Phase,
+    sizes: Sequence[int] | None,
+    max_size: int | None,
+    tpr: int,
+    free: int | None,
+    row_bytes: int,
 ) -> tuple[int, ...]:
-    """Verify token sizes: multiples of ``tpr``; the largest always captured (rounded up, never dropped)."""
+    """Token sizes of a uniform phase: whole requests (multiples of ``tpr``); the largest always captured
+    (rounded up, never dropped); by default the phase's request sizes times ``tpr``."""
     if max_size is not None and max_size % tpr:
         rounded = -(-max_size // tpr) * tpr
         logger.warning(
-            "devgraph: verify max_size %d is not a multiple of %d tokens per request; capturing up to %d so "
-            "the widest speculative batch still replays",
+            "devgraph: %s max_size %d is not a multiple of %d tokens per request; capturing up to %d so "
+            "the widest batch still replays",
+            phase,
             max_size,
             tpr,
             rounded,
@@ -217,17 +230,13 @@ def _verify_sizes(
         bad = [s for s in sizes if isinstance(s, int) and s % tpr]
         if bad:
             raise ConfigError(
-                f"verify sizes must be multiples of tokens_per_request={tpr} (whole requests); got {bad}"
+                f"{phase} sizes must be multiples of tokens_per_request={tpr} (whole requests); got {bad}"
             )
-        return resolve_sizes(Phase.VERIFY.value, sizes, max_size, free, row_bytes=row_bytes).sizes
-    batches = resolve_sizes(
-        Phase.DECODE.value,
-        None,
-        None if max_size is None else max_size // tpr,
-        free,
-        row_bytes=row_bytes * tpr,
+        return resolve_sizes(phase.value, sizes, max_size, free, row_bytes=row_bytes).sizes
+    requests = resolve_sizes(
+        phase.value, None, None if max_size is None else max_size // tpr, free, row_bytes=row_bytes * tpr
     )
-    return tuple(b * tpr for b in batches.sizes)
+    return tuple(r * tpr for r in requests.sizes)
 
 
 def _cut_at_tokens(sizes: Sequence[int]) -> Callable[[int], Sequence[int]]:
@@ -249,9 +258,8 @@ def schedule_for(
     tpr = tokens_per_request_for(phase, tokens_per_request)
     free = _free_bytes(platform)
     row_bytes = _row_bytes(inputs)
-    if phase is Phase.VERIFY:
-        assert tpr is not None
-        token_sizes = _verify_sizes(settings.sizes, settings.max_size, tpr, free, row_bytes)
+    if tpr is not None:
+        token_sizes = _uniform_sizes(phase, settings.sizes, settings.max_size, tpr, free, row_bytes)
     else:
         token_sizes = resolve_sizes(
             phase.value, settings.sizes, settings.max_size, free, row_bytes=row_bytes

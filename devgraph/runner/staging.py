@@ -16,7 +16,7 @@ from devgraph.contract.inputs import EDGE, StaticInput
 from devgraph.contract.keys import REQUESTS, TOKENS, Batch, GraphKey
 from devgraph.errors import InputError
 from devgraph.messages import shorten
-from devgraph.runner.plan import RunnerPlan
+from devgraph.runner.options import RunnerPlan
 
 __all__ = ["StaticBuffers", "StepValidator", "leading_rows"]
 

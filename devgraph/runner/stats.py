@@ -12,8 +12,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from devgraph.contract.keys import GraphKey
+from devgraph.contract.keys import TOKENS, GraphKey
+from devgraph.errors import ConfigError
+from devgraph.flag.trace import PhaseSteps
 from devgraph.runner.dispatch import EagerReason, FallbackReason
+from devgraph.runner.schedule import KeySchedule
 
 __all__ = ["RunnerStats"]
 
@@ -87,3 +90,19 @@ class RunnerStats:
             if self.recorded is None
             else {"steps": [[*counts, steps] for counts, steps in sorted(self.recorded.items())]},
         }
+
+    def phase_steps(self, schedule: KeySchedule, graph_bytes: dict[int, int]) -> PhaseSteps:
+        """The steps recorded so far with the schedule and the bytes each captured token size took, for
+        ``write_trace`` / ``devgraph tune``."""
+        histogram = self.recorded
+        phase = schedule.phase
+        if histogram is None:
+            raise ConfigError(
+                f"the {phase} runner is not recording steps; build it with record_steps=True or call "
+                "record_steps(True) before the traffic to tune for"
+            )
+        sizes = {TOKENS: list(schedule.token_sizes)}
+        for axis in schedule.axis_names:
+            if schedule.tokens_per_request is None:
+                sizes[axis] = sorted({b for t in schedule.token_sizes for b in schedule.buckets[t][axis]})
+        return PhaseSteps(phase, (TOKENS, *schedule.axis_names), Counter(histogram), sizes, graph_bytes)

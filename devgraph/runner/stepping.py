@@ -1,10 +1,12 @@
 """One step of a runner, from a validated :class:`~devgraph.contract.keys.Batch` to its outputs.
 
-:class:`Stepper` asks the dispatcher for a decision (graph or eager, which key, which graph set), agrees on
-it with the other ranks of a data-parallel group (:func:`~devgraph.ranks.dp.agree_counts`), checks that the
-graphs' memory has not moved (the address guard), stages the inputs, replays the chosen set's graph and cuts
-the outputs back; or runs the forward eagerly. :class:`~devgraph.runner.graph_runner.GraphRunner` holds the
-lock and the public API around it.
+:meth:`Stepper.step` is the whole step on one screen: decide (the dispatcher, over what the graph life
+allows now and its graph sets), agree with the other ranks of a data-parallel group
+(:func:`~devgraph.ranks.dp.agree_counts`) or check the tensor-parallel ranks replay the same key, then
+:meth:`Stepper.replay`: check that the graphs' memory has not moved (the address guard), stage the inputs,
+replay the chosen set's graph and cut the outputs back; or run the forward eagerly. The stepper reads the
+:class:`~devgraph.runner.life.GraphLife` and keeps no state of it.
+:class:`~devgraph.runner.graph_runner.GraphRunner` holds the lock and the public API around it.
 """
 
 from __future__ import annotations
@@ -16,15 +18,12 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.context import forward_context
 from devgraph.contract.keys import TOKENS, Batch, GraphKey
 from devgraph.errors import ConfigError, InputError, ReplayError
-from devgraph.ranks import GroupAgreement, variant_code
-from devgraph.runner.capture.pool import GraphPool
-from devgraph.runner.capture.sets import GraphSets
-from devgraph.runner.dispatch import Decision, Dispatcher, EagerReason, SecondSet
-from devgraph.runner.guard import AddressGuard
+from devgraph.ranks import GroupAgreement, assert_same_key, variant_code
+from devgraph.runner.dispatch import Decision, EagerReason
+from devgraph.runner.life import GraphLife
 from devgraph.runner.outputs.layout import OutputLayout
 from devgraph.runner.outputs.trees import copy_tree
 from devgraph.runner.staging import StaticBuffers
@@ -59,52 +58,23 @@ class Agreement:
         return self.key is None
 
 
-def _overrides(backend: DeviceGraphBackend) -> bool:
-    return type(backend).can_run is not DeviceGraphBackend.can_run
-
-
 class Stepper:
     """Decides and runs one step of a runner (see the module docstring)."""
 
     def __init__(
         self,
-        plan: Any,
+        life: GraphLife,
         forward: Callable[..., Any],
-        sets: GraphSets,
-        buffers: StaticBuffers,
-        layout: OutputLayout,
-        stats: RunnerStats,
-        captured: Callable[[], bool],
+        parts: tuple[StaticBuffers, OutputLayout, RunnerStats],
+        check_lockstep: bool,
     ) -> None:
-        self.plan = plan
+        self.life = life
         self.forward = forward
-        self.sets = sets
-        self.buffers = buffers
-        self.layout = layout
-        self.stats = stats
-        self.captured = captured
-        self.dispatcher = Dispatcher(plan.schedule)
-        self.guard: AddressGuard | None = None
-        self.pool: GraphPool | None = None
-        self.owner: Any = None  # the runner, named by the pool's checks
-        #: Keys are being captured in the background (devgraph.runner.capture.background): route steps as
-        #: if captured; a key without its graph yet runs eagerly, counted as ``capturing``.
-        self.capturing = False
-        #: ``release()`` freed the graphs: every step runs eagerly, as ``released``, until ``restore()``.
-        self.released = False
-        self._group: GroupAgreement | None = (
-            None  # the data-parallel group's agreement, resolved at first use
-        )
-        self._veto = _overrides(sets.primary.backend)
-        fallback = sets.fallback
-        self._second_veto = fallback is not None and _overrides(fallback.backend)
-
-    def set_plan(self, plan: Any) -> None:
-        """A retuned plan: new keys to route to (the buffers stay)."""
-        self.plan = plan
-        self.dispatcher = Dispatcher(plan.schedule)
-        self.sets.set_plan(plan)
-        self._group = None  # the agreement compares the new key set from the next step on
+        self.buffers, self.layout, self.stats = parts
+        #: Check each step that every rank replays the same key (an all-gather); may flip between steps.
+        self.check_lockstep = check_lockstep
+        self._group: GroupAgreement | None = None  # the data-parallel group's agreement, made at first use
+        self._group_schedule: Any = None  # the schedule whose key set it compares (a retune makes it anew)
 
     # -- deciding -----------------------------------------------------------------------------------
     def route(
@@ -114,47 +84,23 @@ class Stepper:
         step: Batch | None = None,
         context: Any = None,
     ) -> Decision:
-        """The decision for ``counts`` given the graph sets' state; with ``step``, the backends' vetoes
-        judge ``step`` padded to the key."""
-        primary, fallback = self.sets.primary, self.sets.fallback
-        if self.released and primary.backend.uses_graphs:
-            return Decision(None, EagerReason.RELEASED)
-        can_run = second = None
-        if step is not None and self._veto:
-            backend = primary.backend
-            can_run = lambda key: backend.can_run(step.routed(key, context))  # noqa: E731
-        if fallback is not None:
-            other = fallback.backend
-            veto = (
-                (lambda key: other.can_run(step.routed(key, context)))
-                if step is not None and self._second_veto
-                else None
-            )
-            second = SecondSet(other.has_shape, veto)
-        return self.dispatcher.decide(
-            counts,
-            variant,
-            uses_graphs=primary.backend.uses_graphs,
-            captured=self.captured() or self.capturing,
-            has_shape=primary.backend.has_shape,
-            lazy=self.plan.capture.lazy,
-            failed=primary.lazy.failed,
-            can_run=can_run,
-            second=second,
-            capturing=self.capturing,
-        )
+        """The decision for ``counts`` given what the graph life allows now; with ``step``, the backends'
+        vetoes judge ``step`` padded to the key."""
+        life = self.life
+        return life.router.decide(counts, variant, life.readiness, life.sets.key_sets, step, context)
 
     def decide(
         self, step: Batch, variant: Mapping[str, Any], context: Any, agreement: Agreement | None
     ) -> Decision:
         """This step's decision; with a data-parallel group, the group's (``agreement``, else agreed now)."""
-        if self.plan.dp_group is None:
+        plan = self.life.plan
+        if plan.distributed.dp_group is None:
             return self.route(step.counts, variant, step, context)
         if agreement is None:
             agreement = self.agree(step, variant, context)
         elif dict(agreement.own) != dict(step.counts):
             raise InputError(
-                f"{self.plan.phase} run() got an agreement for counts {dict(agreement.own)}, but this step "
+                f"{plan.phase} run() got an agreement for counts {dict(agreement.own)}, but this step "
                 "has "
                 f"{dict(step.counts)}; pass the agreement agree() returned for this step"
             )
@@ -162,12 +108,14 @@ class Stepper:
 
     def agree(self, step: Batch, variant: Mapping[str, Any], context: Any) -> Agreement:
         """One all-reduce with the data-parallel group: every rank routes the largest counts of the step."""
-        if self.plan.dp_group is None:
+        plan = self.life.plan
+        if plan.dp_group is None:
             raise ConfigError("agree() needs a runner built with dp_group= (a data-parallel group)")
         own = self.route(step.counts, variant, step, context)
-        axes = (TOKENS, *self.plan.schedule.axis_names)
-        if self._group is None:
-            self._group = GroupAgreement(self.plan.dp_group, self.plan.schedule.keys())
+        axes = (TOKENS, *plan.schedule.axis_names)
+        if self._group is None or self._group_schedule is not plan.schedule:
+            self._group = GroupAgreement(plan.dp_group, plan.schedule.keys())
+            self._group_schedule = plan.schedule
         group = self._group([step.counts[a] for a in axes], own.key is None, variant_code(variant))
         largest = dict(zip(axes, group.counts, strict=True))
         if group.eager or not group.same_variant:
@@ -177,7 +125,7 @@ class Stepper:
         key = decision.key
         if key is None and decision.reason not in _GROUP_WIDE:
             raise ReplayError(
-                f"this rank cannot replay the {self.plan.phase} key the data-parallel group agreed on for "
+                f"this rank cannot replay the {plan.phase} key the data-parallel group agreed on for "
                 "counts "
                 f"{largest} ({decision.reason}), while its own key {own.key} would: every rank of the group "
                 "must hold the same keys, and a backend's can_run must not depend on the key"
@@ -186,7 +134,23 @@ class Stepper:
         return Agreement(dict(step.counts), counts, key, decision.reason, decision)
 
     # -- running ------------------------------------------------------------------------------------
-    def run(
+    def step(
+        self,
+        step: Batch,
+        variant: dict[str, Any],
+        context: Any,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        count: bool = True,
+        agreement: Agreement | None = None,
+    ) -> Any:
+        """One step: decide (or take the group's agreement), check the ranks replay the same key, replay."""
+        decision = self.decide(step, variant, context, agreement)
+        if self.check_lockstep:
+            assert_same_key(self.life.plan.process_group, decision.key)
+        return self.replay(step, variant, context, inputs, decision, count=count)
+
+    def replay(
         self,
         step: Batch,
         variant: dict[str, Any],
@@ -197,7 +161,7 @@ class Stepper:
         count: bool,
     ) -> Any:
         """Replay ``decision``'s graph for ``step`` (or run eagerly); ``count`` it in the statistics."""
-        stats = self.stats
+        stats, life = self.stats, self.life
         if count and stats.recorded is not None:
             stats.recorded[tuple(step.counts.values())] += 1
         key = decision.key
@@ -205,24 +169,24 @@ class Stepper:
             if count:
                 stats.ran_eagerly(decision.reason)  # type: ignore[arg-type]
             return self.eager(context, variant, inputs)
-        graphs = self.sets.for_decision(decision)
-        if self.plan.capture.lazy:
+        graphs = life.sets.for_decision(decision)
+        if life.plan.capture.lazy:
             graphs.lazy.lookup(key, count)
-        if self.guard is not None:  # after a lazy capture, which records the key's host values
-            self.guard.check(key, context)
+        if life.guard is not None:  # after a lazy capture, which records the key's host values
+            life.guard.check(key, context)
         self.buffers.stage(step.counts, key, inputs)
         backend = graphs.backend
-        pool = self.pool
-        checking = pool.replaying(self.owner) if pool is not None and pool.debug else contextlib.nullcontext()
+        pool = life.pool
+        checking = pool.replaying(life.owner) if pool is not None and pool.debug else contextlib.nullcontext()
         with checking, forward_context(context), backend.runtime_session():
             raw = backend.replay(key, self.buffers.buffers)
         if count:
             stats.replayed(key, step.n)
             if decision.fallback is not None:
                 stats.fallback[decision.fallback] += 1
-            if self.plan.dp_group is not None:
+            if life.plan.distributed.dp_group is not None:
                 stats.agreed_steps += 1
-                own = self.dispatcher.route(step.counts, variant).key
+                own = life.router.route(step.counts, variant).key
                 stats.peer_padded_rows += key.tokens - (own.tokens if own is not None else step.n)
         # The fallback's outputs are other tensors than the primary's: never the cached leaves of the key.
         return self.layout.slice(raw, step.counts, key, replay=decision.fallback is None)
@@ -233,22 +197,23 @@ class Stepper:
         variant: dict[str, Any],
         context: Any,
         inputs: Mapping[str, torch.Tensor],
-        decision: Decision,
-        replay: Callable[[], Any],
         rtol: float | None,
     ) -> VerifyResult:
-        """``verify()``: ``replay()`` (the step through its graph), then the forward eagerly on the caller's
+        """``verify()``: the step through its graph (not counted), then the forward eagerly on the caller's
         rows and on the padded buffers, declared state restored before each; the largest differences."""
+        decision = self.decide(step, variant, context, None)
         key = decision.key
-        with self.plan.state.preserved() as restore:
-            graph = copy_tree(replay())
+        if self.check_lockstep:
+            assert_same_key(self.life.plan.process_group, key)
+        with self.life.plan.state.preserved() as restore:
+            graph = copy_tree(self.replay(step, variant, context, inputs, decision, count=False))
             restore()
             unpadded = copy_tree(self.eager(context, variant, inputs))
             padded = unpadded
             if key is not None:
                 restore()
                 self.buffers.stage(step.counts, key, inputs)
-                forward = self.sets.for_decision(decision).forward
+                forward = self.life.sets.for_decision(decision).forward
                 with forward_context(context), torch.no_grad():
                     raw = forward(**self.buffers.views(key), **variant)
                 padded = copy_tree(self.layout.slice(raw, step.counts, key, replay=False))

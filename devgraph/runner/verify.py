@@ -10,7 +10,7 @@ import torch
 from devgraph.contract.keys import GraphKey
 from devgraph.runner.outputs.trees import flatten, max_abs, max_abs_diff, tensor_leaves
 
-__all__ = ["VerifyResult", "default_rtol", "compare"]
+__all__ = ["VerifyResult", "compare", "default_rtol"]
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,13 @@ def synchronize() -> None:
     npu().synchronize()
 
 
+def record_event() -> Any:
+    """A ``torch.npu.Event`` recorded on the current stream (``query()`` / ``synchronize()``)."""
+    event = npu().Event()
+    event.record(npu().current_stream())
+    return event
+
+
 # -- memory and device -------------------------------------------------------------------------------
 def mem_get_info() -> tuple[int, int]:
     free, total = npu().mem_get_info()

@@ -134,6 +134,9 @@ class NpuPlatform(GraphPlatform):
     def synchronize(self) -> None:
         api.synchronize()
 
+    def record_event(self) -> Any:
+        return api.record_event()
+
     # -- memory ----------------------------------------------------------------------------------
     def mem_get_info(self) -> tuple[int, int]:
         return api.mem_get_info()

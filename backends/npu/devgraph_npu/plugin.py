@@ -23,4 +23,6 @@ def devgraph_register_platforms(register: Callable[[type[Any]], None]) -> None:
 def devgraph_register_backends(register: Callable[..., None]) -> None:
     from devgraph_npu.backends import NpuFullGraphBackend
 
-    register(NpuFullGraphBackend, name="full", platform="npu", phases=("decode",), default_for=("decode",))
+    # verify steps are decode-shaped (1 + k tokens per request, the same host-side lengths per request), so
+    # auto gives verify the decode default (devgraph.contract.phases: verify is like decode).
+    register(NpuFullGraphBackend, name="full", platform="npu", phases=("decode", "verify"))

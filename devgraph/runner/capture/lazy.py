@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from devgraph.contract.keys import GraphKey
-from devgraph.runner.plan import LazyPolicy
+from devgraph.runner.options import LazyPolicy
 
 __all__ = ["LazyGraphs", "LruKeys"]
 

@@ -13,8 +13,8 @@ import torch
 from devgraph.contract.context import forward_context
 from devgraph.contract.keys import REQUESTS, TOKENS, GraphKey
 from devgraph.messages import shorten
+from devgraph.runner.options import RunnerPlan
 from devgraph.runner.outputs.layout import OutputLayout
-from devgraph.runner.plan import RunnerPlan
 
 __all__ = ["probe_layout"]
 

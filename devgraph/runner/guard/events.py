@@ -20,7 +20,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["epoch", "install", "storage_ref", "watch_module"]
+__all__ = ["SWAP_ADVICE", "epoch", "install", "storage_ref", "watch_module"]
+
+#: Added to the errors of a ``load_state_dict()`` that could not swap a watched module's tensors.
+SWAP_ADVICE = (
+    "devgraph: torch's swap mode is on (torch.__future__.set_swap_module_params_on_conversion(True)), so "
+    "load_state_dict() swaps each tensor for a new one, which torch refuses while anything else references "
+    "the old one, and the device graphs of a live devgraph runner were captured on these tensors (they hold "
+    "them). Free the graphs first and capture again after: runner.release() then runner.restore() (a "
+    "compiling strategy's compiled forward holds them too and stays: runner.close() and a new runner), or "
+    "turn swap mode off so load_state_dict() copies into the tensors in place and the graphs stay valid"
+)
 
 
 class _Counter:
@@ -31,6 +41,9 @@ _events = _Counter()
 _lock = threading.Lock()
 _watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _hooks_installed = False
+# The error list of each load_state_dict() under way on a watched module, and where its module's own
+# errors start (the pre-hook notes it, the post-hook reads what was added).
+_loading: dict[int, tuple[list[str], int]] = {}
 
 
 def epoch() -> int:
@@ -73,6 +86,8 @@ def watch_module(module: nn.Module) -> None:
     """Make assignments of parameters, buffers and child modules on ``module`` events."""
     install()
     with _lock:
+        if module not in _watched:
+            _say_why_a_swap_failed(module)
         _watched.add(module)
 
 
@@ -88,3 +103,27 @@ def install() -> None:
             torch_module.register_module_module_registration_hook(_on_registration)
             _wrap_storage_resize()
             _hooks_installed = True
+
+
+def _say_why_a_swap_failed(module: nn.Module) -> None:
+    """Make a failed swap of ``module``'s tensors under torch's swap mode say what devgraph has to do with
+    it: torch collects the failure into the load's error list, and the post-hook (run before torch raises
+    them) adds :data:`SWAP_ADVICE`."""
+    pre = getattr(module, "register_load_state_dict_pre_hook", None)
+    post = getattr(module, "register_load_state_dict_post_hook", None)
+    if pre is None or post is None:  # a torch without the hooks: its own error stands alone
+        return
+
+    def before(*args: Any) -> None:
+        error_msgs = args[-1]  # (module, state_dict, prefix, metadata, strict, missing, unexpected, errors)
+        if isinstance(error_msgs, list):
+            _loading[id(module)] = (error_msgs, len(error_msgs))
+
+    def after(loaded: nn.Module, incompatible: Any) -> None:
+        error_msgs, start = _loading.pop(id(loaded), ([], 0))
+        new = error_msgs[start:]
+        if any("swapping" in str(m) for m in new) and SWAP_ADVICE not in error_msgs:
+            error_msgs.append(SWAP_ADVICE)
+
+    pre(before)
+    post(after)

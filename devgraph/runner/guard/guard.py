@@ -61,7 +61,9 @@ class Watched:
             broken = place.broken_at()
             if broken is not None:
                 return f"{place.path} ({self.facts}) was replaced: {broken}, while the graphs use the old one"
-            if place.links and _ptr(place.links[-1].value()) != self.ptr:
+            last = place.links[-1] if place.links else None
+            # A rebound-on-purpose (kept) tensor is not the one its path holds now; its storage is checked.
+            if last is not None and last.kind != KEPT and _ptr(last.current()) != self.ptr:
                 return f"{place.path} ({self.facts}) is on other memory now (.data =, set_ or resize_)"
         return None
 
@@ -226,8 +228,9 @@ class AddressGuard:
         raise ReplayError(
             f"the {self.phase} graphs were captured on tensors that changed since: {shown}{more}. Replaying "
             "would read and write the old memory. Update weights and caches in place to keep the graphs "
-            "valid (with torch.no_grad(): param.copy_(new); load_state_dict() does this), or call "
-            "runner.refresh() to capture again on the new tensors"
+            "valid (with torch.no_grad(): param.copy_(new); load_state_dict() does this, unless torch's swap "
+            "mode is on: torch.__future__.set_swap_module_params_on_conversion(True) makes it swap in new "
+            "tensors), or call runner.refresh() to capture again on the new tensors"
         )
 
     def describe(self) -> dict[str, Any]:

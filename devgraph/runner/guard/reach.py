@@ -58,9 +58,20 @@ def _strong(value: Any) -> Callable[[], Any]:
     return lambda: value
 
 
+#: What a tensor link's ``value()`` returns: the tensor is not referenced, its link compares by id.
+_BY_ID = object()
+
+
 def _ref(value: Any) -> Callable[[], Any]:
-    """A weak reference where the object allows one (tensors, modules, most objects), else a strong one
-    (lists, dicts, tuples), as a callable returning the object."""
+    """A weak reference where the object allows one (modules, most objects), else a strong one (lists,
+    dicts, tuples), as a callable returning the object. Tensors get neither: torch's swap mode
+    (``torch.__future__.set_swap_module_params_on_conversion(True)``) makes ``load_state_dict()`` swap each
+    parameter with ``torch.utils.swap_tensors``, which refuses a tensor that has a weak reference, and a
+    strong one would keep a dropped model's weights alive. A tensor link is checked by identity (its id);
+    its storage's own weak reference (:func:`~devgraph.runner.guard.events.storage_ref`) tells when it
+    dies."""
+    if isinstance(value, torch.Tensor):
+        return lambda: _BY_ID
     try:
         return weakref.ref(value)
     except TypeError:
@@ -115,6 +126,11 @@ class Link:
         except (KeyError, IndexError, TypeError):
             return _MISSING
 
+    def holds(self, current: Any) -> bool:
+        """Whether ``current`` is the object the owner held at capture."""
+        value = self.value()
+        return id(current) == self.value_id if value is _BY_ID else current is value
+
     @property
     def hooked(self) -> bool:
         return self.kind in HOOKED
@@ -142,7 +158,7 @@ class Place:
             current = link.current()
             if current is _MISSING or current is None:
                 return f"{name} is gone"
-            if current is not link.value():
+            if not link.holds(current):
                 return f"{name} is another object now"
         return None
 

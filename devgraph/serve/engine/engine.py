@@ -27,8 +27,8 @@ from devgraph.flag.config import DeviceGraphConfig
 from devgraph.messages import shorten
 from devgraph.reference.model import ReferenceModel
 from devgraph.reference.runners import decode_runner, prefill_runner
-from devgraph.runner.capture.background import BackgroundCapture
-from devgraph.runner.capture.loop import CaptureReport
+from devgraph.runner.background import BackgroundCapture
+from devgraph.runner.capture.job import CaptureReport
 from devgraph.runner.graph_runner import GraphRunner
 from devgraph.serve.engine import sleep
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables

@@ -16,16 +16,26 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError, ReplayError
 
-__all__ = ["DEBUG_ENV", "GraphPool"]
+__all__ = ["DEBUG_ENV", "GraphPool", "PoolMember"]
 
 #: Environment variable that turns on the checks of every GraphPool (``1``).
 DEBUG_ENV = "DEVGRAPH_DEBUG"
+
+
+class PoolMember(Protocol):
+    """A runner as its pool knows it: named in reports and errors by its phase and backend."""
+
+    @property
+    def phase(self) -> str: ...
+
+    @property
+    def backend(self) -> DeviceGraphBackend: ...
 
 
 class GraphPool:
@@ -44,15 +54,15 @@ class GraphPool:
         self.platform: GraphPlatform | None = None
         self.device: Any = None
         self.handle: Any = None
-        self._runners: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._runners: weakref.WeakSet[PoolMember] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._capture_lock = threading.RLock()  # two runners never capture into the pool at once
-        self._replaying: Any = None  # debug: the runner replaying now
-        self._last: tuple[weakref.ReferenceType[Any], Any] | None = None  # debug: last runner, its stream
+        self._replaying: PoolMember | None = None  # debug: the runner replaying now
+        self._last: tuple[weakref.ReferenceType[PoolMember], Any] | None = None  # debug: last runner, stream
 
     # -- runners ------------------------------------------------------------------------------------
     def attach(
-        self, runner: Any, backends: list[DeviceGraphBackend], platform: GraphPlatform, device: Any
+        self, runner: PoolMember, backends: list[DeviceGraphBackend], platform: GraphPlatform, device: Any
     ) -> None:
         """Make ``runner``'s backends capture into this pool (called by ``GraphRunner``)."""
         with self._lock:
@@ -76,12 +86,12 @@ class GraphPool:
                 backend.use_pool(self.handle)
             self._runners.add(runner)
 
-    def detach(self, runner: Any) -> None:
+    def detach(self, runner: PoolMember) -> None:
         with self._lock:
             self._runners.discard(runner)
 
     @property
-    def runners(self) -> list[Any]:
+    def runners(self) -> list[PoolMember]:
         return list(self._runners)
 
     @contextlib.contextmanager
@@ -91,7 +101,7 @@ class GraphPool:
             yield
 
     # -- the one-at-a-time rule (debug) -------------------------------------------------------------
-    def replaying(self, runner: Any) -> contextlib.AbstractContextManager[None]:
+    def replaying(self, runner: PoolMember) -> contextlib.AbstractContextManager[None]:
         """Context around one replay of ``runner``; in debug mode, checks no other runner of the pool is
         replaying, and that the last one to replay did so on this stream or has finished."""
         if not self.debug:
@@ -99,7 +109,7 @@ class GraphPool:
         return self._checked(runner)
 
     @contextlib.contextmanager
-    def _checked(self, runner: Any) -> Iterator[None]:
+    def _checked(self, runner: PoolMember) -> Iterator[None]:
         platform = self.platform
         stream = platform.current_stream() if platform is not None else None
         with self._lock:

@@ -1,7 +1,8 @@
-"""A runner's graphs: every key captured at start-up, or each key on first sight within the lazy cache's
-bounds; one key's graph released; and what each capture cost.
+"""One graph set of a runner: one strategy's graphs of the runner's keys, captured at start-up or each on
+first sight within the lazy cache's bounds; one key's graph released; and what each capture cost.
 
-The runner owns one :class:`RunnerGraphs`. It builds the capture job from the runner's plan (ranks of a
+A runner has one :class:`GraphSet` per strategy (:class:`~devgraph.runner.capture.sets.GraphSets`: the
+primary and, optionally, the fallback). A set builds the capture job from the runner's plan (ranks of a
 process group capture in step and fail together), leaves declared state as it found it, learns the output
 layout after the first capture, and on a failure releases what it captured.
 """
@@ -9,15 +10,13 @@ layout after the first capture, and on a failure releases what it captured.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from devgraph.contract.backend import DeviceGraphBackend
 from devgraph.contract.keys import GraphKey
 from devgraph.ranks import CaptureSync, rank_of
-from devgraph.runner.capture.lazy import LazyGraphs
-from devgraph.runner.capture.loop import (
+from devgraph.runner.capture.job import (
     CaptureJob,
     CaptureReport,
     KeyReport,
@@ -25,20 +24,21 @@ from devgraph.runner.capture.loop import (
     frozen_gc,
     show_progress,
 )
+from devgraph.runner.capture.lazy import LazyGraphs
 from devgraph.runner.capture.probe import probe_layout
 from devgraph.runner.capture.undeclared import StateProbe
+from devgraph.runner.options import RunnerPlan
 from devgraph.runner.outputs.layout import OutputLayout
-from devgraph.runner.plan import RunnerPlan
 from devgraph.runner.staging import StaticBuffers
 from devgraph.runner.stats import RunnerStats
 
-__all__ = ["RunnerGraphs"]
+__all__ = ["GraphSet"]
 
 logger = logging.getLogger(__name__)
 
 
-class RunnerGraphs:
-    """Captures a runner's keys into its backend and keeps a report per captured key.
+class GraphSet:
+    """Captures a runner's keys into one backend and keeps a report per captured key.
 
     ``forward`` is the runner's forward; :attr:`forward` is what the backend made of it (compiled, for a
     compiling strategy): warm-ups, capture and the layout probe run that on the runner's static ``buffers``.
@@ -78,22 +78,12 @@ class RunnerGraphs:
     def empty_report(self) -> CaptureReport:
         return CaptureReport(self.plan.phase, self.backend.name, self.plan.platform.name)
 
-    def start_up(self) -> CaptureReport:
-        """Prepare the backend and capture every key, largest first (a lazily capturing runner: none)."""
-        plan, backend = self.plan, self.backend
-        report = self.empty_report()
-        if not backend.uses_graphs:
-            return report
-        keys = plan.schedule.keys()
-        backend.prepare(plan.inputs, () if plan.capture.lazy else keys)
-        if not plan.capture.lazy:
-            start = time.perf_counter()
-            report.keys = self.capture(keys, collect=True)
-            report.seconds = time.perf_counter() - start
-            report.notes = [*self.notes, *backend.capture_notes()]
-            if rank_of(plan.process_group) == 0:  # one report per tensor-parallel group
-                logger.info("%s", report.table())
-        return report
+    def holds(self, key: GraphKey) -> bool:
+        """Whether a step of ``key`` can replay this set's graph now: it holds one, or (a lazily capturing
+        runner) will capture it on first sight, unless that capture failed once."""
+        if self.plan.capture.lazy:
+            return key not in self.lazy.failed
+        return self.backend.has_shape(key)
 
     def capture(
         self, keys: Sequence[GraphKey], *, collect: bool, keep_others: bool = False, quiet: bool = False

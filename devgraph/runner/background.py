@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from devgraph.errors import ConfigError
-from devgraph.runner import lifecycle
-from devgraph.runner.capture import pending
-from devgraph.runner.capture.loop import CaptureReport
+from devgraph.runner.capture.job import CaptureReport
+from devgraph.runner.capture.pending import PendingKeys
+from devgraph.runner.graph_runner import GraphRunner
 
 __all__ = ["BackgroundCapture"]
 
@@ -56,7 +56,7 @@ class BackgroundCapture:
     captured, lazily capturing, or without graphs has nothing to capture.
     """
 
-    def __init__(self, runners: Sequence[Any], *, lock: Any = None) -> None:
+    def __init__(self, runners: Sequence[GraphRunner], *, lock: Any = None) -> None:
         self.runners = list(runners)
         self.lock = lock
         self.error: BaseException | None = None
@@ -65,62 +65,38 @@ class BackgroundCapture:
         self.ready_seconds: float | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._total = 0
-        for runner in self.runners:
-            with runner._lock:
-                self._total += self._begin(runner)
+        # Each runner's keys to capture (its graph life's record; a runner with nothing to capture has none).
+        begun = (runner.life.begin_background() for runner in self.runners)
+        self._jobs: list[PendingKeys] = [job for job in begun if job is not None]
         if self.done:
             self.ready_seconds = 0.0
-
-    @staticmethod
-    def _begin(runner: Any) -> int:
-        """Arm the runner for key-by-key capture; returns how many keys it will capture."""
-        runner._check_open()
-        if runner._captured or runner._background is not None:
-            return 0
-        plan, sets = runner.plan, runner._sets
-        if sets.fallback is not None:
-            raise ConfigError(
-                f"the {plan.phase} runner has a fallback graph set ({sets.fallback.backend.name}); capture "
-                "in the background takes runners without one: drop the fallback or call capture()"
-            )
-        if not runner.backend.uses_graphs or plan.capture.lazy:
-            runner.capture()  # nothing to capture now (eager mode; a lazy runner captures on first sight)
-            return 0
-        keys = plan.schedule.keys()  # largest first
-        lifecycle.arm_guard(runner)
-        runner.backend.prepare(plan.inputs, keys)
-        runner._background = pending.PendingKeys(list(keys), len(keys))
-        runner._steps.capturing = True
-        return len(keys)
 
     # -- progress -----------------------------------------------------------------------------------
     @property
     def total(self) -> int:
-        return self._total
+        return sum(job.total for job in self._jobs)
 
     @property
     def captured(self) -> int:
-        """Keys captured so far (over every runner)."""
-        return self._total - sum(len(p.keys) for p in self._pending())
+        """Keys captured so far whose graphs are held now (over every runner): after a failed key, only
+        those of the runners that finished before it."""
+        return sum(job.held for job in self._jobs)
 
     @property
     def done(self) -> bool:
         """Every key captured, or the capture stopped (see :attr:`error`)."""
-        return self.error is not None or not self._pending()
+        return self.error is not None or not any(job.open for job in self._jobs)
 
     def progress(self) -> dict[str, Any]:
-        """Plain data for a health check or a log: keys captured of the total, whether done, the error."""
+        """Plain data for a health check or a log: keys captured (and held) of the total, whether done, the
+        error."""
         return {
             "captured": self.captured,
-            "total": self._total,
+            "total": self.total,
             "ready": self.done and self.error is None,
             "ready_seconds": None if self.ready_seconds is None else round(self.ready_seconds, 3),
             "error": None if self.error is None else str(self.error),
         }
-
-    def _pending(self) -> list[pending.PendingKeys]:
-        return [r._background for r in self.runners if r._background is not None]
 
     # -- driving it ---------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -132,15 +108,12 @@ class BackgroundCapture:
             return False
         with self.lock if self.lock is not None else contextlib.nullcontext():
             for runner in self.runners:
-                with runner._lock:
-                    if runner._closed or runner._background is None:
-                        continue
-                    try:
-                        pending.capture_next(runner)
-                    except BaseException as exc:
-                        self._fail(exc)
-                        raise
-                    break
+                try:
+                    if runner.life.capture_next():
+                        break
+                except BaseException as exc:
+                    self._fail(exc)
+                    raise
         more = not self.done
         if not more and self.ready_seconds is None:
             self.ready_seconds = time.perf_counter() - self.started
@@ -154,14 +127,14 @@ class BackgroundCapture:
             pass
         if self.error is not None:
             raise self.error
-        return [r.report or r._graphs.empty_report() for r in self.runners]
+        return [r.life.current_report() for r in self.runners]
 
     def start(self, pause: float = 0.001) -> BackgroundCapture:
         """Capture in a thread of its own, key by key, sleeping ``pause`` seconds between keys so that
         steps waiting for the locks get in. The runners must take their lock (not ``single_thread``) or
         ``lock`` must be given, and no process group may be set (ranks must capture in step)."""
         for runner in self.runners:
-            if runner.plan.single_thread and self.lock is None:
+            if runner.plan.safety.single_thread and self.lock is None:
                 raise ConfigError(
                     f"the {runner.phase} runner was built with single_thread=True (no lock): a capture "
                     "thread needs BackgroundCapture(lock=...) held around every step, or call step() "
@@ -209,5 +182,4 @@ class BackgroundCapture:
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         for runner in self.runners:
-            with runner._lock:
-                pending.abandon(runner)
+            runner.life.abandon()

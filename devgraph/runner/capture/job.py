@@ -159,7 +159,7 @@ def _progress(keys: Sequence[GraphKey], job: CaptureJob) -> Iterable[GraphKey]:
 
 def show_progress(requested: bool | None, rank: int) -> Progress:
     """A bar on rank 0 when stderr is a terminal (or ``requested=True``); else, on rank 0, one INFO log
-    line per captured key (``devgraph.runner.capture.loop``), so a server's log shows a long start-up
+    line per captured key (``devgraph.runner.capture.job``), so a server's log shows a long start-up
     moving."""
     if requested or (requested is None and rank == 0 and sys.stderr.isatty()):
         return "bar"

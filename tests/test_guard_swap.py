@@ -1,0 +1,92 @@
+"""torch's swap mode (``torch.__future__.set_swap_module_params_on_conversion(True)``) beside a live runner:
+``load_state_dict()`` swaps each parameter for a new tensor. devgraph holds no weak reference to a tensor
+(torch refuses to swap one that has any), the address guard then names the swapped weights before a replay
+reads the old memory, and where the graphs themselves hold the tensors (the CPU simulator, a compiled
+forward) torch's error says what devgraph needs: release, load, restore."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from devgraph import GraphRunner, ReplayError, StaticInput
+
+pytestmark = pytest.mark.timeout(120)
+
+INPUTS = {"x": StaticInput(torch.float32, (16,))}
+
+
+@pytest.fixture
+def swap_mode() -> Iterator[None]:
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+def _model_and_runner(device: str = "cpu") -> tuple[Mlp, GraphRunner]:
+    torch.manual_seed(0)
+    model = Mlp().to(device)
+    runner = GraphRunner(model, phase="decode", inputs=INPUTS, device=device, mode="full", sizes=[1, 2, 4])
+    return model, runner
+
+
+def _shifted(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() + 0.5 for name, value in model.state_dict().items()}
+
+
+def test_the_guard_holds_no_weak_reference_to_a_tensor():
+    model, runner = _model_and_runner()
+    runner.capture()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        assert weakref.getweakrefs(tensor) == []
+    runner.close()
+
+
+@pytest.mark.usefixtures("swap_mode")
+def test_a_swap_the_graphs_block_says_release_and_restore_and_that_order_works():
+    # before: torch's weakref error alone ("Cannot swap t1 because it has weakref associated with it")
+    model, runner = _model_and_runner()
+    runner.capture()
+    x = torch.randn(3, 16)
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(_shifted(model))
+    message = str(info.value)
+    assert "devgraph" in message and "runner.release()" in message and "runner.restore()" in message
+    torch.testing.assert_close(runner.run(x=x), model(x))  # nothing was swapped: the graphs stay valid
+    runner.release()
+    gc.collect()
+    model.load_state_dict(_shifted(model))  # the graphs are gone: the swap goes through
+    runner.restore()
+    torch.testing.assert_close(runner.run(x=x), model(x))
+    runner.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("swap_mode")
+def test_cuda_weights_swapped_under_the_graphs_are_named_before_a_replay():
+    # A CUDA graph holds addresses, not the weights: the swap goes through (it failed on devgraph's weak
+    # references before), and the guard refuses the replay that would read the freed memory.
+    model, runner = _model_and_runner("cuda")
+    runner.capture()
+    x = torch.randn(3, 16, device="cuda")
+    model.load_state_dict(_shifted(model))
+    gc.collect()
+    with pytest.raises(ReplayError, match="refresh"):
+        runner.run(x=x)
+    runner.refresh()
+    torch.testing.assert_close(runner.run(x=x), model(x))
+    runner.close()
