@@ -106,19 +106,20 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
     (
         Row(
             ("devgraph.runner.*",),
-            "`GraphRunner` (`graph_runner.py`: the front door, the lock, validation, `run`/`submit`/"
-            "`verify`, delegation) and the pieces it delegates to, one owner each (their order is below): `options.py` "
-            "(the keywords, `RunnerOptions`, resolved once into a frozen `RunnerPlan`), `life.py` "
-            "(`GraphLife`: the graph sets, pool, guard, pending keys and released record, one `LifeState`, "
-            "the transitions), `stepping.py` (`Stepper`: one step), `dispatch.py` (deciding: a function of "
-            "the step, the life's `Readiness` and the `KeySet`s), `schedule.py`, `staging.py`, `memory.py` "
-            "(graph bytes, exact and estimated), `background.py` (`BackgroundCapture`, which drives lives "
-            "key by key), `shared_pool.py` (`GraphPool`), `handle.py` (`StepHandle`), `stats.py`, `state.py`, "
-            "`verify.py`, `inspection.py`, `metrics.py`; `capture/` (capturing keys: `job.py` the capture "
-            "loop and its report, `graph_set.py` one strategy's graphs, `sets.py` the primary and fallback "
-            "sets, `pending.py`, `lazy.py`, `advice.py`, `probe.py`, `undeclared.py`); `guard/` (the address "
-            "guard: events, paths to tensors, the observed run and the hazards it shows, host values baked "
-            "at capture (`values.py`): the sanitizer); `outputs/` (pytree helpers, the output layout)",
+            "`GraphRunner` (`graph_runner.py`: the front door, the lock, validation, "
+            "`run`/`submit`/`verify`, delegation) and the pieces it delegates to, one owner each (their "
+            "order is below): `options.py` (the keywords, `RunnerOptions`, resolved once into a frozen "
+            "`RunnerPlan`), `life.py` (`GraphLife`: the graph sets, pool, guard, pending keys and released "
+            "record, one `LifeState`, the transitions), `stepping.py` (`Stepper`: one step), `dispatch.py` "
+            "(deciding: a function of the step, the life's `Readiness` and the `KeySet`s), `schedule.py`, "
+            "`staging.py`, `memory.py` (graph bytes, exact and estimated), `background.py` "
+            "(`BackgroundCapture`, which drives lives key by key), `shared_pool.py` (`GraphPool`), "
+            "`handle.py` (`StepHandle`), `stats.py`, `state.py`, `verify.py`, `inspection.py`, `metrics.py`;"
+            " `capture/` (capturing keys: `job.py` the capture loop and its report, `graph_set.py` one "
+            "strategy's graphs, `sets.py` the primary and fallback sets, `pending.py`, `lazy.py`, "
+            "`advice.py`, `probe.py`, `undeclared.py`); `guard/` (the address guard: events, paths to "
+            "tensors, the observed run and the hazards it shows, host values baked at capture (`values.py`):"
+            " the sanitizer); `outputs/` (pytree helpers, the output layout)",
         ),
     ),
     (
