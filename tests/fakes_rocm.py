@@ -129,6 +129,16 @@ class FakeHip:
         }
 
 
+def _answer_triton_probes() -> None:
+    from torch.utils import _triton
+
+    for name in dir(_triton):
+        probe = getattr(_triton, name)
+        if name.startswith("has_triton") and callable(probe) and hasattr(probe, "cache_info"):
+            with contextlib.suppress(Exception):  # a probe this torch answers differently is left alone
+                probe()
+
+
 @contextlib.contextmanager
 def install(monkeypatch: Any) -> Iterator[FakeHip]:
     """Make this torch look like a ROCm build with one AMD GPU for the enclosed block."""
@@ -138,6 +148,11 @@ def install(monkeypatch: Any) -> Iterator[FakeHip]:
     from devgraph.platforms import torch_cuda
 
     fake = FakeHip()
+    # Dynamo asks torch.utils._triton's probes (has_triton(), the TMA ones: each cached once per process)
+    # while it traces; asked first under the fake, they would query the fake GPU's properties, which a CPU
+    # build cannot give. Answer them for this machine before the fake is on (the fake GPU runs no Triton
+    # kernels either way), whatever order the tests run in.
+    _answer_triton_probes()
     monkeypatch.setattr(torch.version, "hip", HIP_VERSION)
     monkeypatch.setattr(torch.version, "cuda", None)
     for name, value in fake.cuda_api().items():

@@ -14,11 +14,7 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.context import forward_context
-from devgraph.contract.platform import GraphPlatform
-from devgraph.flag.config import DeviceGraphConfig
-from devgraph.flag.factory import resolve_platform
-from devgraph.runner.graph_runner import GraphRunner
+from devgraph import DeviceGraphConfig, GraphPlatform, GraphRunner, forward_context, resolve_platform
 
 __all__ = ["run_demo", "DemoRow"]
 

@@ -8,13 +8,17 @@ from typing import Any
 
 import torch
 
-from devgraph._version import __version__
-from devgraph.contract.backend import DeviceGraphBackend
-from devgraph.contract.phases import PHASES
-from devgraph.contract.platform import Availability, ask_availability
-from devgraph.errors import BackendUnavailableError
+from devgraph import (
+    PHASES,
+    Availability,
+    BackendUnavailableError,
+    DeviceGraphBackend,
+    __version__,
+    get_registry,
+)
+from devgraph.contract.platform import ask_availability
 from devgraph.flag.factory import auto_phases
-from devgraph.registry.plugins import Registry, get_registry
+from devgraph.registry.plugins import Registry
 
 __all__ = ["collect_info", "run_info"]
 

@@ -18,11 +18,17 @@ from pathlib import Path
 
 import torch
 
-from devgraph._version import __version__
+from devgraph import (
+    BackendUnavailableError,
+    ConfigError,
+    DevGraphError,
+    DeviceGraphConfig,
+    __version__,
+    resolve_platform,
+)
 from devgraph.console import OneLineParser, missing_command, parse_command_line, run_command
-from devgraph.errors import BackendUnavailableError, ConfigError, DevGraphError
-from devgraph.flag.config import DeviceGraphConfig, device_graph_mode_type
-from devgraph.flag.factory import resolve_platform, usable_platform
+from devgraph.flag.config import device_graph_mode_type
+from devgraph.flag.factory import usable_platform
 from devgraph.flag.sizes import check_size_list
 from devgraph.messages import shorten
 

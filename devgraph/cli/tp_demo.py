@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from devgraph import ConfigError, DeviceGraphConfig, resolve_platform
 from devgraph.cli.demo import (
     DEFAULT_DECODE_SIZES,
     DEFAULT_PREFILL_SIZES,
@@ -27,9 +28,6 @@ from devgraph.cli.demo import (
     _print_table,
     _table_title,
 )
-from devgraph.errors import ConfigError
-from devgraph.flag.config import DeviceGraphConfig
-from devgraph.flag.factory import resolve_platform
 from devgraph.ranks import destroy_process_group
 
 __all__ = ["run_tp_demo", "tp_launch_env"]

@@ -18,12 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from devgraph.contract.keys import REQUESTS
-from devgraph.contract.phases import PHASES, Phase
-from devgraph.errors import ConfigError
+from devgraph import PHASES, REQUESTS, ConfigError, Phase, load_steps, tune_phase
 from devgraph.flag.sizes import MAX_SIZE_COUNT
-from devgraph.flag.trace import load_steps
-from devgraph.flag.tuning import PhaseTuning, tune_phase, tuned_flag
+from devgraph.flag.tuning import PhaseTuning, tuned_flag
 from devgraph.messages import shorten
 
 __all__ = ["add_tune_command", "run_tune"]

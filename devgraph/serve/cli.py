@@ -12,10 +12,9 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from devgraph import add_device_graph_args, apply_tuned
 from devgraph.console import OneLineParser, parse_command_line, run_command
 from devgraph.extras import require_extra
-from devgraph.flag.config import add_device_graph_args
-from devgraph.flag.tuning import apply_tuned
 from devgraph.messages import shorten
 from devgraph.reference.config import ATTENTION_MODES, PRESET_NAMES
 from devgraph.serve.checkpoint.template_render import RenderLimits

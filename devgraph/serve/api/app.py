@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
-from devgraph.errors import ConfigError, InputError
+from devgraph import ConfigError, InputError
 from devgraph.extras import install_hint
 from devgraph.messages import shorten
 from devgraph.serve.api.chat import parse_chat

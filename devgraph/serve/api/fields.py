@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from devgraph.errors import InputError
+from devgraph import InputError
 from devgraph.messages import shorten
 from devgraph.serve.api.protocol import ApiError
 from devgraph.serve.engine.request import MAX_COPIES, MAX_STOP_TOKEN_IDS, SamplingParams

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from devgraph.errors import InputError
+from devgraph import InputError
 from devgraph.serve.api.fields import Generation
 from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import ApiError, error_body, now

@@ -16,8 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from devgraph.errors import ConfigError
-from devgraph.flag.trace import write_trace
+from devgraph import ConfigError, write_trace
 from devgraph.messages import shorten
 
 __all__ = ["TrafficRecorder", "check_record_path"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.extras import install_hint
 from devgraph.serve.api.metrics import ServeMetrics, prometheus_available
 from devgraph.serve.api.recording import TrafficRecorder

@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
-from devgraph.flag.config import DeviceGraphConfig
-from devgraph.flag.factory import resolve_platform, usable_platform
+from devgraph import ConfigError, DeviceGraphConfig, resolve_platform
+from devgraph.flag.factory import usable_platform
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.serve.checkpoint.source import ModelSource, open_model

@@ -26,7 +26,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from devgraph.errors import BackendUnavailableError, ConfigError
+from devgraph import BackendUnavailableError, ConfigError
 from devgraph.messages import shorten
 from devgraph.serve.api.fields import Generation
 from devgraph.serve.api.protocol import ApiError

@@ -66,7 +66,7 @@ class RequestResult:
 def check_lengths(prompt_len: tuple[int, int], output_len: tuple[int, int], max_seq_len: int) -> str | None:
     """:class:`ConfigError` when even the shortest prompt plus the shortest output cannot fit the server's
     context; a warning (to print) when the longest do not, and :func:`make_trace` will cut them."""
-    from devgraph.errors import ConfigError
+    from devgraph import ConfigError
 
     if prompt_len[0] + output_len[0] > max_seq_len:
         raise ConfigError(
@@ -122,7 +122,7 @@ async def fetch_model(session: Any, url: str, timeout: float) -> ModelCard:
     does not answer in time, answers with an error, or answers something that is not a model card."""
     import aiohttp
 
-    from devgraph.errors import ConfigError
+    from devgraph import ConfigError
 
     what = f"GET {url}/v1/models"
     try:
@@ -297,7 +297,7 @@ def _command_line() -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from devgraph.errors import ConfigError
+    from devgraph import ConfigError
 
     if args.json:
         _check_writable(args.json)
@@ -367,7 +367,7 @@ def _sent(lengths: dict[str, Any]) -> str:
 
 def _check_writable(path: str) -> None:
     """:class:`ConfigError` now, not after the run, when ``--json PATH`` cannot be written."""
-    from devgraph.errors import ConfigError
+    from devgraph import ConfigError
 
     existed = os.path.exists(path)
     try:

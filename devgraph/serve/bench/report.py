@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from devgraph.errors import BackendUnavailableError
+from devgraph import BackendUnavailableError
 
 __all__ = ["PERCENTILES", "percentile", "plot_modes", "summarize", "summary_table"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.flag.jsonfile import read_json_file
 from devgraph.messages import shorten
 from devgraph.serve.checkpoint.hf_config import token_ids

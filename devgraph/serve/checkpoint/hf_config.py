@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.flag.jsonfile import read_json_file
 from devgraph.messages import kind, shorten
 from devgraph.reference.config import parse_dtype

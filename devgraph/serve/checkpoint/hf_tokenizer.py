@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.extras import require_extra
 from devgraph.flag.jsonfile import read_json_file
 from devgraph.messages import shorten

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.messages import shorten
 from devgraph.reference.config import PRESET_NAMES, ReferenceConfig, parse_dtype
 from devgraph.reference.model import ReferenceModel

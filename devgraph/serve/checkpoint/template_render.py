@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from devgraph.errors import DevGraphError
+from devgraph import DevGraphError
 from devgraph.serve.checkpoint.text import ChatTemplateError
 
 __all__ = ["RenderLimits", "RendererBusy", "TemplateRenderer"]

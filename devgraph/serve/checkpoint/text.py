@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from devgraph.errors import InputError
+from devgraph import InputError
 
 __all__ = ["ChatTemplateError", "IncrementalDecoder", "Tokenizer", "check_unicode"]
 

@@ -28,7 +28,7 @@ from typing import Any, cast
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.extras import require_extra
 from devgraph.flag.jsonfile import read_json_file
 from devgraph.messages import shorten

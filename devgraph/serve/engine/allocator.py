@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 
 __all__ = ["BlockAllocator", "BlockTables", "OutOfBlocks"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 
 __all__ = ["EngineConfig"]
 

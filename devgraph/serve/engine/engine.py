@@ -22,14 +22,10 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError, InputError
-from devgraph.flag.config import DeviceGraphConfig
+from devgraph import BackgroundCapture, CaptureReport, ConfigError, DeviceGraphConfig, GraphRunner, InputError
 from devgraph.messages import shorten
 from devgraph.reference.model import ReferenceModel
 from devgraph.reference.runners import decode_runner, prefill_runner
-from devgraph.runner.background import BackgroundCapture
-from devgraph.runner.capture.job import CaptureReport
-from devgraph.runner.graph_runner import GraphRunner
 from devgraph.serve.engine import sleep
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables
 from devgraph.serve.engine.batch import StepBatch, decode_batch, prefill_batch

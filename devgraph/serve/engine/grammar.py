@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from devgraph.errors import InputError
+from devgraph import InputError
 
 __all__ = ["Grammar", "GrammarFailed", "GrammarState", "LogitsMasker"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from devgraph.flag.config import DeviceGraphConfig
+from devgraph import DeviceGraphConfig
 
 __all__ = ["cap_phase_sizes"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError, DevGraphError
+from devgraph import ConfigError, DevGraphError
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.request import FinishReason, RequestOutput, SamplingParams
 

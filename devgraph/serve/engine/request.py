@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from devgraph.errors import InputError
+from devgraph import InputError
 from devgraph.messages import shorten
 from devgraph.serve.engine.grammar import Grammar, GrammarState
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 
 __all__ = ["KvSizing", "kv_blocks_for_memory"]
 

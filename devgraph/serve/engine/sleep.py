@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.serve.engine.allocator import BlockAllocator
 
 __all__ = ["KvCacheShape", "SLEEP_LEVELS", "allocate_kv_cache", "free_kv_cache"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.reference.config import ReferenceConfig
 
 __all__ = ["WARMUP_OUTPUT", "WARMUP_PROMPT", "check_warm_up_fits", "warm_up_lengths"]

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from devgraph.errors import InputError
+from devgraph import InputError
 from devgraph.extras import require_extra
 from devgraph.messages import shorten
 from devgraph.serve.checkpoint.text import Tokenizer

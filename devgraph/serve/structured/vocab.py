@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.serve.checkpoint.text import Tokenizer
 
 __all__ = ["BYTE_END_TOKEN", "Vocabulary", "vocabulary"]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from devgraph.errors import DevGraphError
+from devgraph import DevGraphError
 from devgraph.ranks.group import RANK_TIMEOUT_ENV, rank_timeout_s
 from devgraph.serve.tp.ring import RingReader, RingWriter
 from devgraph.serve.tp.wire import StepMessage, decode_step, stop_message

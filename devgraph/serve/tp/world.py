@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from devgraph.errors import ConfigError
+from devgraph import ConfigError
 from devgraph.serve.tp.channel import RankLost, StepChannel
 from devgraph.serve.tp.rank import free_port, init_rank, rank_device
 
