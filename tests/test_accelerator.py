@@ -140,11 +140,11 @@ def test_a_named_platform_that_is_unknown_or_unusable_is_an_error(monkeypatch, b
 
 def test_auto_picks_the_same_defaults_as_the_cuda_plugin(builtin):
     config = DeviceGraphConfig.parse("auto")
-    chosen = {
-        p: resolve_phase(config, p, "accelerator", registry=builtin).backend for p in ("decode", "prefill")
-    }
-    assert chosen == {"decode": "full", "prefill": "breakable"}
-    assert chosen == {p: cuda_plugin.DEFAULTS[p] for p in chosen}
+    phases = ("decode", "prefill", "encode", "verify")
+    chosen = {p: resolve_phase(config, p, "accelerator", registry=builtin).backend for p in phases}
+    assert chosen == {"decode": "full", "prefill": "breakable", "encode": "breakable", "verify": "full"}
+    with_cuda = plugin_registry(cuda_plugin)
+    assert chosen == {p: resolve_phase(config, p, "cuda", registry=with_cuda).backend for p in phases}
 
 
 # -- the platform through the fake --------------------------------------------------------------------

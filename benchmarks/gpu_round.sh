@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One GPU machine's share of a round's measurements, in one command that fits a ten-minute call.
+#
+#     bash benchmarks/gpu_round.sh OUT LANE [LANE...]
+#
+# Each LANE is a GPU list and a comma-separated list of steps, `GPUS:step,step,...` (`0:suite`,
+# `1:sanitizer,inplace`, `0,1:multi_tests,tp_channel`). Lanes run at the same time, each on its own GPUs
+# (CUDA_VISIBLE_DEVICES); the steps of a lane run one after another, each under its own time limit (a step
+# past it is killed and logged, the next one runs). Everything a step writes goes under OUT/r/; at the end
+# OUT/round.tar.gz holds it all, with OUT/round.log the summary (two files: a device call brings back few).
+#
+# Before the steps: the project is installed editable (no network there) and the wheels under .whl/ (those
+# the GPU image lacks, e.g. llguidance) into /tmp/site. NVLink multicast stays off (the device notes).
+set -u
+OUT=${1:?usage: bash benchmarks/gpu_round.sh OUT GPUS:step,step [GPUS:step,...]}
+shift
+mkdir -p "$OUT/r"
+R="$OUT/r"
+LOG="$OUT/round.log"
+START=$(mktemp)  # what the benchmarks write under benchmarks/results after this is copied under R
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+
+{
+    date -u
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+    $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+} >>"$LOG" 2>&1
+$PY -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda >>"$LOG" 2>&1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+pytest_json() {  # pytest_json NAME LIMIT_PER_TEST ARGS...: a JUnit XML and the durations under R
+    local name=$1 per=$2
+    shift 2
+    $PY -m pytest -q -p no:cacheprovider -rfEs --durations=0 --timeout "$per" \
+        --junitxml "$R/$name.xml" "$@"
+}
+
+run_step() {  # run_step NAME: one step, its limit, its command
+    local name=$1 limit cmd
+    case $name in
+    suite) limit=500 cmd="pytest_json cuda-suite 150 -m 'cuda and not multi_gpu' tests" ;;
+    suite_fast) limit=300 cmd="pytest_json cuda-suite-fast 150 -m 'cuda and not multi_gpu and not slow' tests" ;;
+    multi_tests) limit=420 cmd="pytest_json multi-gpu 150 -m multi_gpu tests" ;;
+    sanitizer) limit=120 cmd="$PY benchmarks/bench_sanitizer.py --out $R/sanitizer.json" ;;
+    inplace) limit=200 cmd="$PY benchmarks/bench_inplace_cache.py --out $R/inplace-cache.json --time-budget 170" ;;
+    prompt_logprobs) limit=150 cmd="cd benchmarks && PYTHONPATH=..:.:\${PYTHONPATH:-} $PY bench_prompt_logprobs.py --out $R/prompt-logprobs.json" ;;
+    structured) limit=180 cmd="PYTHONPATH=.:backends/cuda:\${PYTHONPATH:-} $PY benchmarks/bench_structured.py --gpu" ;;
+    submit) limit=90 cmd="$PY benchmarks/bench_submit.py --out $R/submit.json" ;;
+    accelerator) limit=90 cmd="$PY benchmarks/bench_accelerator.py --out $R/accelerator.json" ;;
+    startup) limit=200 cmd="$PY benchmarks/bench_startup_compile.py --out $R/startup.json --time-budget 170" ;;
+    zoo_plain) limit=200 cmd="$PY benchmarks/bench_zoo.py --models plain --layers 8 --time-budget 170 --out $R/zoo-plain.json" ;;
+    zoo_gptfast) limit=200 cmd="$PY benchmarks/bench_zoo.py --models gptfast --layers 8 --time-budget 170 --out $R/zoo-gptfast.json" ;;
+    tp_channel) limit=90 cmd="$PY benchmarks/bench_tp_channel.py --device cuda --out $R/tp-channel.json" ;;
+    dp_agree) limit=60 cmd="$PY benchmarks/bench_dp_agree.py --device cuda --iters 2000 --out $R/dp-agree.json" ;;
+    serve_tp) limit=420 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 400" ;;
+    serve_overlap) limit=200 cmd="$PY benchmarks/bench_serve.py --schedulers serial,overlap --out $R/serve-overlap.json" ;;
+    _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
+    _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
+    *)
+        echo "unknown step $name" >>"$LOG"
+        return
+        ;;
+    esac
+    echo "=== $name (limit ${limit}s, GPUs $CUDA_VISIBLE_DEVICES) $(date -u +%T)" >>"$LOG"
+    local t0=$SECONDS
+    # timeout signals its whole process group (the step's children too), then kills what is left.
+    timeout --kill-after=10 "$limit" bash -c "$cmd" >"$R/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - t0))s$([ $rc -eq 124 ] && echo ' (killed at its limit)')" >>"$LOG"
+    tail -n 3 "$R/$name.log" >>"$LOG"
+}
+
+lane() {  # lane GPUS STEPS
+    export CUDA_VISIBLE_DEVICES=$1
+    local step
+    for step in ${2//,/ }; do
+        run_step "$step"
+    done
+}
+
+export -f pytest_json
+export R PY
+for spec in "$@"; do
+    lane "${spec%%:*}" "${spec#*:}" &
+done
+wait
+find benchmarks/results -newer "$START" -type f -exec cp {} "$R/" \; 2>/dev/null
+echo "done $(date -u +%T)" >>"$LOG"
+tar -C "$OUT" -czf "$OUT/round.tar.gz" r
+cat "$LOG"
