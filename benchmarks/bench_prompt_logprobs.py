@@ -51,6 +51,28 @@ def _time_request(
     return (time.perf_counter() - start_time) * 1e3, request
 
 
+def _profile(
+    engine: Engine, dev: Device, prompt: list[int], params: SamplingParams, device: torch.device
+) -> dict[str, list[dict[str, object]]]:
+    """Where one request's time goes: the ops with the most self time on the host and on the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _time_request(engine, dev, prompt, params)
+    events = prof.key_averages()
+
+    def top(attribute: str) -> list[dict[str, object]]:
+        ranked = sorted(events, key=lambda e: getattr(e, attribute, 0.0), reverse=True)[:10]
+        return [
+            {"op": e.key, "calls": e.count, "self_us": round(float(getattr(e, attribute, 0.0)), 1)}
+            for e in ranked
+        ]
+
+    device_attribute = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return {"host": top("self_cpu_time_total"), "device": top(device_attribute)}
+
+
 def _reference(config: ReferenceConfig, device: torch.device, prompt: list[int]) -> torch.Tensor:
     """log_softmax of every prompt row from one eager forward of the whole prompt (fresh cache)."""
     model = ReferenceModel(config, device, seed=0)
@@ -113,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "prompt_logprobs":
                 scored = request.prompt_logprobs  # type: ignore[attr-defined]
     medians = {name: round(statistics.median(values), 4) for name, values in times.items()}
+    profile = _profile(engine, dev, prompt, cases["prompt_logprobs"], device)
     ratio = medians["prompt_logprobs"] / medians["plain"]
     expected = _reference(config, device, prompt)
     assert scored is not None and len(scored) == length
@@ -131,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "median_ms": medians,
             "all_ms": {name: [round(v, 4) for v in values] for name, values in times.items()},
             "ratio": round(ratio, 4),
+            "profile_of_one_prompt_logprobs_request": profile,
             "target": {"ratio_at_most": 1.2, "met": ratio <= 1.2},
             "correctness": {"max_abs_vs_whole_prompt_forward": max_abs, "tolerance": tolerance,
                             "ok": max_abs <= tolerance},

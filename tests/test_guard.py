@@ -474,3 +474,26 @@ def test_the_walk_skips_standard_library_machinery_an_engine_holds():
     engine = Engine()
     found = reach(engine.step)
     assert found.complete and len(found.places) == 1
+
+
+def test_the_storage_resize_watch_leaves_tensors_without_memory_alone():
+    # torch.compile resizes the storages of meta and fake tensors while it traces (on CUDA, the RNG
+    # functionalization makes one as its graph is compiled): reading their address fails there (torch
+    # 2.11) or warns (later), so the watch passes them through untouched.
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from devgraph.runner.guard import events
+
+    events.install()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FakeTensorMode():
+            fake = torch.tensor(())
+        fake.untyped_storage().resize_(0)
+        torch.empty(4, device="meta").untyped_storage().resize_(0)
+    before = events.epoch()
+    real = torch.zeros(256)
+    real.untyped_storage().resize_(0)  # real memory given back: still an event
+    assert events.epoch() > before

@@ -90,3 +90,20 @@ def test_cuda_weights_swapped_under_the_graphs_are_named_before_a_replay():
     runner.refresh()
     torch.testing.assert_close(runner.run(x=x), model(x))
     runner.close()
+
+
+def test_a_swap_is_an_event_even_where_the_old_storage_stays_alive():
+    # On a GPU the graphs hold addresses, and the old storage may live on elsewhere, so no storage is freed
+    # and a swapped parameter is the same object: only the swap itself can tell the guard to look (the CUDA
+    # test above shows the whole path; on the CPU the simulated graph holds the tensors, which refuses it).
+    from devgraph.runner.guard import events
+
+    events.install()
+    a, b = torch.zeros(4), torch.ones(4)
+    kept = a.untyped_storage()  # the old storage stays alive
+    before = events.epoch()
+    torch.utils.swap_tensors(a, b)
+    assert events.epoch() > before and a.untyped_storage().data_ptr() != kept.data_ptr()
+    assert torch.utils.swap_tensors.__wrapped__ is not None  # one wrap, whatever installs it again
+    events.install()
+    assert not hasattr(torch.utils.swap_tensors.__wrapped__, "__wrapped__")

@@ -381,7 +381,8 @@ def test_a_workspace_re_made_in_a_module_global_is_named(device):
     runner = _runner(lambda x: _gemm_with_workspace(x, w), device)
     runner.capture()
     runner.run(x=torch.ones(2, WIDTH, device=device))
-    _WORKSPACE[str(torch.device(device))] = torch.zeros(WIDTH, device=device)  # re-made (a size change)
+    (made,) = _WORKSPACE  # the forward's own key ("cuda:0" on a GPU, not "cuda")
+    _WORKSPACE[made] = torch.zeros(WIDTH, device=device)  # re-made (a size change)
     with pytest.raises(ReplayError, match=r"_WORKSPACE\[.*\] .* was replaced"):
         runner.run(x=torch.ones(2, WIDTH, device=device))
 
@@ -404,7 +405,9 @@ def test_padding_rows_never_write_a_live_cache_slot(device):
     assert model.padding_slot // block not in {slot // block for slot in live}  # a scratch block
     for before, layer in zip(caches, model.layers, strict=True):
         changed = set((before != slots(layer.k_cache)).any(1).nonzero().flatten().tolist())
-        assert changed == live | {model.padding_slot}, changed  # the padding row wrote the scratch slot only
+        # The live rows wrote their slots; the padding row wrote the scratch slot only (whether that slot
+        # changes depends on what the capture's warm-ups already wrote there: on a GPU the same values).
+        assert live <= changed <= live | {model.padding_slot}, changed
 
 
 # -- 14. Inputs at new addresses every step (vllm-project/vllm#42304) -------------------------------------

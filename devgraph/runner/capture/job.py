@@ -257,10 +257,12 @@ def capture_failure(exc: Exception, job: CaptureJob, key: GraphKey) -> CaptureEr
     translated = job.platform.translate_capture_error(exc, key.tokens)
     detail = str(translated) if translated is not None else f"{type(exc).__name__}: {exc}"
     cause = diagnose(exc, phase=job.phase, max_size=job.max_size, backend=job.backend.name)
+    advice = cause.advice.rstrip(".")
+    # An error that carries its own advice (a refused compile says what to do) gives it once, at the end.
+    detail = detail.replace(advice, "").rstrip(" ;:,.") if advice and advice in detail else detail.rstrip(".")
     error = CaptureError(
         f"capturing the {job.phase} graph for {key} with backend {job.backend.name} on "
-        f"{job.platform.name} failed: {detail.rstrip('.')}. What to do: {cause.advice}. "
-        "Graphs captured so far were released.",
+        f"{job.platform.name} failed: {detail}. What to do: {advice}. Graphs captured so far were released.",
         size=key.tokens,
         op=getattr(exc, "op", None),
     )

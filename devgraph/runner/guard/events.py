@@ -1,12 +1,15 @@
 """What can move a graph's memory, as events: one process-wide counter that any of them bumps.
 
-Three kinds of event reach it, none costing anything per step: a watched storage was freed (a weak
+Four kinds of event reach it, none costing anything per step: a watched storage was freed (a weak
 reference's callback: the last tensor on it died, or ``.data =`` / ``set_`` swapped it out), a parameter,
 buffer or child module was assigned on a watched module (torch's global registration hooks, which
 ``module.weight = nn.Parameter(...)``, ``module.cache = torch.zeros(...)`` on a buffer and
 ``layers[3] = new_layer`` all run), and a storage's memory was given back or moved in place
 (``tensor.untyped_storage().resize_(0)``, what sleep modes and offloading do to keep the tensor objects:
-``UntypedStorage.resize_`` is wrapped once, and an event is counted when the storage's address changes).
+``UntypedStorage.resize_`` is wrapped once, and an event is counted when the storage's address changes),
+and two tensors swapped their contents (``torch.utils.swap_tensors``, which ``load_state_dict()`` and
+``module.to()`` use under torch's swap mode: the parameter keeps its identity and its old storage may stay
+alive elsewhere, so neither of the first two kinds fires; the function is wrapped once).
 A guard compares the counter with the value it last checked at: one integer comparison per step, and the
 full check only after something happened.
 """
@@ -71,7 +74,14 @@ def _wrap_storage_resize() -> None:
     resize = torch.UntypedStorage.resize_
 
     def resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
-        before = self.data_ptr()
+        # Storages without memory (meta, fake and functional tensors': torch.compile resizes those while
+        # it traces) have no address to watch and raise on data_ptr(): pass them straight through.
+        if self.device.type == "meta":
+            return resize(self, size)
+        try:
+            before = self.data_ptr()
+        except RuntimeError:
+            return resize(self, size)
         result = resize(self, size)
         if self.data_ptr() != before:
             _bump()
@@ -80,6 +90,25 @@ def _wrap_storage_resize() -> None:
     resize_.__doc__ = resize.__doc__
     resize_.__wrapped__ = resize  # type: ignore[attr-defined]
     torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+
+
+def _wrap_swap_tensors() -> None:
+    """Count every ``torch.utils.swap_tensors`` as an event (a swapped parameter is the same object on
+    other memory: only the full check sees it, so it must run)."""
+    utils = torch.utils
+    swap = getattr(utils, "swap_tensors", None)
+    if swap is None or getattr(swap, "__devgraph_wrapped__", False):
+        return
+
+    def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> Any:
+        result = swap(t1, t2)
+        _bump()
+        return result
+
+    swap_tensors.__doc__ = swap.__doc__
+    swap_tensors.__wrapped__ = swap  # type: ignore[attr-defined]
+    swap_tensors.__devgraph_wrapped__ = True  # type: ignore[attr-defined]
+    utils.swap_tensors = swap_tensors  # type: ignore[assignment]
 
 
 def watch_module(module: nn.Module) -> None:
@@ -102,6 +131,7 @@ def install() -> None:
             torch_module.register_module_buffer_registration_hook(_on_registration)
             torch_module.register_module_module_registration_hook(_on_registration)
             _wrap_storage_resize()
+            _wrap_swap_tensors()
             _hooks_installed = True
 
 

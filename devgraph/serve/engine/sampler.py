@@ -37,6 +37,9 @@ from devgraph.serve.engine.request import Request, TokenLogprob
 
 __all__ = ["Sampler"]
 
+#: Rows scored at a time by :meth:`Sampler.token_logprobs` (128 x 152k float32 is 78 MB).
+_SCORE_CHUNK = 128
+
 
 class Sampler:
     """Samples one token per logits row; one device-to-host copy per call (two with logprobs)."""
@@ -67,27 +70,58 @@ class Sampler:
         logits: torch.Tensor, tokens: torch.Tensor, counts: Sequence[int]
     ) -> list[TokenLogprob]:
         """Row ``r``'s log probability of ``tokens[r]`` and its ``counts[r]`` most likely tokens, under
-        ``log_softmax`` of the float32 logits (sampled tokens, and a prompt's tokens); one host copy."""
-        logp = logits.float().log_softmax(dim=-1)
-        chosen = logp.gather(1, tokens[:, None].long())[:, 0]
-        ranks = (logp > chosen[:, None]).sum(dim=-1) + 1
-        most = min(max(max(counts, default=0), 1), logp.shape[-1])
-        top_values, top_ids = logp.topk(most, dim=-1)
-        values, ids, picked, scores, places = (
-            t.tolist() for t in (top_values, top_ids, tokens, chosen, ranks)
-        )
-        return [
-            TokenLogprob(
-                int(picked[r]),
-                float(scores[r]),
-                # A grammar's forbidden tokens (-inf) are no alternatives: fewer where it allows fewer.
-                tuple(
-                    (t, v) for t, v in zip(ids[r][:count], values[r][:count], strict=True) if v != -math.inf
-                ),
-                int(places[r]),
+        ``log_softmax`` of the float32 logits (sampled tokens, and a prompt's tokens); one host copy.
+
+        A prompt's rows come by the hundred over a vocabulary of 150k: the rows go in chunks (a chunk's
+        float32 copy fits the device's cache), and only the log-sum-exp is computed in float32 per chunk;
+        the chosen token's rank and the top tokens come from the logits themselves (log_softmax keeps their
+        order), so no float32 copy of the whole block is ever made.
+        """
+        if logits.shape[0] == 0:
+            return []
+        tokens = tokens.long()
+        most = min(max(max(counts, default=0), 1), logits.shape[-1])
+        chosen_parts, rank_parts, value_parts, id_parts = [], [], [], []
+        for start in range(0, logits.shape[0], _SCORE_CHUNK):
+            block = logits[start : start + _SCORE_CHUNK]
+            picked = tokens[start : start + _SCORE_CHUNK]
+            wide = block.float()
+            lse = torch.logsumexp(wide, dim=-1, keepdim=True)
+            chosen = wide.gather(1, picked[:, None])
+            rank_parts.append((wide > chosen).sum(dim=-1) + 1)
+            top_values, top_ids = wide.topk(most, dim=-1)
+            chosen_parts.append((chosen - lse)[:, 0])
+            value_parts.append(top_values - lse)
+            id_parts.append(top_ids)
+        # One device-to-host copy for everything (the ids ride as floats: exact below 2**24).
+        packed = torch.cat(
+            [
+                torch.cat(chosen_parts)[:, None],
+                torch.cat(rank_parts)[:, None].float(),
+                torch.cat(value_parts),
+                torch.cat(id_parts).float(),
+            ],
+            dim=1,
+        ).tolist()
+        picked_ids = tokens.tolist()
+        entries = []
+        for r, count in enumerate(counts):
+            row = packed[r]
+            values, ids = row[2 : 2 + most], row[2 + most :]
+            entries.append(
+                TokenLogprob(
+                    int(picked_ids[r]),
+                    float(row[0]),
+                    # A grammar's forbidden tokens (-inf) are no alternatives: fewer where it allows fewer.
+                    tuple(
+                        (int(t), v)
+                        for t, v in zip(ids[:count], values[:count], strict=True)
+                        if v != -math.inf
+                    ),
+                    int(row[1]),
+                )
             )
-            for r, count in enumerate(counts)
-        ]
+        return entries
 
     def _tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
