@@ -163,6 +163,7 @@ def build_engine(
         token_budget=budget,
         mixed_steps=not args.no_mixed_steps,
         deterministic=args.deterministic,
+        scheduler=getattr(args, "scheduler", "overlap"),
     )
     logger.info(
         "building the model: %s (%s, %d layers, context %d) on %s; KV cache %.1f MiB (%d blocks of %d "
@@ -210,6 +211,13 @@ def build_engine(
         logger.info("%d graphs to capture in the background, one key between two steps", capture.total)
     startup.times["graphs_s"] = time.perf_counter() - start
     logger.info("graphs %s in %.1f s", "set up" if background else "ready", startup.times["graphs_s"])
+    logger.info(
+        "scheduler: %s (--scheduler; %s)",
+        engine_config.scheduler,
+        "the next step is issued while the device runs this one"
+        if engine_config.scheduler.overlaps
+        else "each step is read before the next is scheduled",
+    )
     _log_added_sizes(engine, graphs)
     return engine
 
