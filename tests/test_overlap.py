@@ -11,8 +11,10 @@ streamed outputs) on the CPU (tiny preset, simulated graphs) and on a checkpoint
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -400,6 +402,29 @@ def test_generate_and_close_leave_nothing_in_flight(model: ReferenceModel) -> No
     assert engine.drain() == [] and not engine.has_work
     engine.generate([[4, 5]], SamplingParams(max_tokens=3, stop_token_ids=(0,)))
     assert not engine.has_work  # generate() read the last step
+    engine.close()
+
+
+def test_the_step_timeline_spans_each_forward_around_its_runs(model: ReferenceModel, tmp_path: Path) -> None:
+    # The serving benchmark reads the device's idle time from the gaps between spans: each span must hold
+    # the whole of its forward's device work, its runner's run included.
+    from devgraph.serve.api.timeline import StepTimeline
+
+    engine = _engine(model, "overlap")
+    timeline = StepTimeline(torch.device("cpu"), tmp_path / "timeline.json")
+    timeline.wrap(engine.decode_runner, "decode")
+    timeline.wrap(engine.prefill_runner, "prefill")
+    engine.step_observer = timeline
+    engine.generate(_prompts(3, seed=1), SamplingParams(max_tokens=5))
+    timeline.save()
+    data = json.loads((tmp_path / "timeline.json").read_text())
+    runs, spans = data["steps"], data["spans"]
+    assert len(spans) == len(runs) == sum(engine.stats()["steps"].values()) > 3
+    for span, run in zip(spans, runs, strict=True):
+        assert (
+            span["device_start_ms"] <= run["device_start_ms"] <= run["device_end_ms"] <= span["device_end_ms"]
+        )
+        assert span["host_s"] <= run["host_s"] and span["tokens"] == run["tokens"]
     engine.close()
 
 
