@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from devgraph.reference.inputs import StepContext
-from devgraph.serve.tp.channel import StepChannel, WorkerChannel
 from devgraph.serve.engine.wire import STOP, encode_step
+from devgraph.serve.tp.channel import StepChannel, WorkerChannel
 
 BLOCK, WIDTH = 16, 128  # 16-token blocks, contexts up to 2048 tokens
 CASES = ("decode_1", "decode_256", "prefill_2048")

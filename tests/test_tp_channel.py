@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from devgraph.reference.inputs import StepContext, make_decode_batch
+from devgraph.serve.engine.wire import STOP, TRIM_MIN_BYTES, decode_step, encode_step
 from devgraph.serve.tp.channel import RankLost, StepChannel, WorkerChannel
 from devgraph.serve.tp.ring import RingReader, RingWriter
-from devgraph.serve.engine.wire import STOP, TRIM_MIN_BYTES, decode_step, encode_step
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent

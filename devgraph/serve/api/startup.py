@@ -32,7 +32,7 @@ from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.serve.checkpoint.source import ModelSource, open_model
 from devgraph.serve.checkpoint.template_render import RenderLimits
-from devgraph.serve.engine.config import EngineConfig
+from devgraph.serve.engine.config import EngineConfig, SchedulerMode
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.sizing import KvSizing, kv_blocks_for_memory
 from devgraph.serve.engine.warmup import check_warm_up_fits
@@ -163,7 +163,7 @@ def build_engine(
         token_budget=budget,
         mixed_steps=not args.no_mixed_steps,
         deterministic=args.deterministic,
-        scheduler=getattr(args, "scheduler", "overlap"),
+        scheduler=SchedulerMode.parse(getattr(args, "scheduler", "overlap")),
     )
     logger.info(
         "building the model: %s (%s, %d layers, context %d) on %s; KV cache %.1f MiB (%d blocks of %d "

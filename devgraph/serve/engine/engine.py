@@ -70,6 +70,7 @@ from devgraph.serve.engine.request import (
 from devgraph.serve.engine.sampler import (
     LogprobTensors,
     Sampler,
+    SamplingPlan,
     logprob_entries,
     logprob_tensors,
     sample_on_device,
@@ -469,8 +470,24 @@ class Engine:
     ) -> None:
         """Stage, plan and issue one forward and its sampling; fills ``forward`` as it goes (so a failure
         half-way knows the copies it forked)."""
-        kind = forward.kind
-        batch = self._stage(kind, entries)
+        batch = self._stage(forward.kind, entries)
+        message, plan, rows = self._plan(forward, batch, copies)
+        observer = self.step_observer
+        mark = observer.begin(forward.kind) if observer is not None else None
+        self._run_on_device(forward, batch, message, plan, rows)
+        if observer is not None:
+            observer.end(mark, int(batch.inputs["input_ids"].shape[0]), len(batch.requests))
+        for member in forward.sampled:
+            member.pending += 1
+        self.step_counts[forward.kind] += 1
+        self.engine_padding += batch.engine_padding
+
+    def _plan(
+        self, forward: IssuedForward, batch: StepBatch, copies: list[tuple[int, int]]
+    ) -> tuple[StepMessage, SamplingPlan, list[int]]:
+        """The host's half: positions computed, forks, which rows sample (and their uniform numbers), which
+        prompt rows are scored; all of it packed with the inputs into one message. Returns the message,
+        the sampling plan and the logits row of each sampled request."""
         arrays = dict(batch.inputs)
         arrays.update(self._plan_prompt_scores(forward, batch))
         for request, length in zip(batch.requests, batch.lengths, strict=True):
@@ -496,19 +513,24 @@ class Engine:
             arrays["copy_to"] = torch.tensor([c[1] for c in copies], dtype=torch.int64)
         if batch.id_slots is not None:
             arrays["id_slots"] = batch.id_slots
+        step = next(self._step_numbers)
         message = encode_step(
-            kind,
-            arrays,
-            batch.context,
-            step=next(self._step_numbers),
-            columns=self._columns(batch),
-            pin=self._pin,
+            forward.kind, arrays, batch.context, step=step, columns=self._columns(batch), pin=self._pin
         )
-        observer = self.step_observer
-        mark = observer.begin(kind) if observer is not None else None
-        # -- the device's part: nothing below reads a device value on the host ----------------------
+        return message, plan, rows
+
+    def _run_on_device(
+        self,
+        forward: IssuedForward,
+        batch: StepBatch,
+        message: StepMessage,
+        plan: SamplingPlan,
+        rows: list[int],
+    ) -> None:
+        """The device's half, queued and never waited for: the message's one copy, the forward, sampling,
+        the tokens into their slots, the prompt's scores, and the copies of what the host reads."""
         on_device = message.inputs(self.model.device)
-        result = self.launch(kind, message, on_device, batch.context)
+        result = self.launch(forward.kind, message, on_device, batch.context)
         logits, hidden = result if isinstance(result, tuple) else (result, None)
         back: list[torch.Tensor] = []
         if forward.sampled:
@@ -523,12 +545,6 @@ class Engine:
             scored = logprob_tensors(rows_logits, on_device["score_targets"], max(forward.score_counts))
             back += scored.tensors()
         forward.readback = self.decode_runner.to_host(*back) if back else None
-        if observer is not None:
-            observer.end(mark, int(batch.inputs["input_ids"].shape[0]), len(batch.requests))
-        for member in forward.sampled:
-            member.pending += 1
-        self.step_counts[kind] += 1
-        self.engine_padding += batch.engine_padding
 
     def launch(
         self, kind: str, message: StepMessage, arrays: dict[str, torch.Tensor], context: StepContext
