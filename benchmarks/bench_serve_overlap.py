@@ -66,13 +66,13 @@ TARGETS = {"itl_over_replay": 1.03, "idle_share": 0.05, "tokens_per_s_over_previ
 
 def run_scheduler(settings: dict[str, Any], scheduler: str, out: Path) -> dict[str, Any]:
     args = [*settings["server"], "--scheduler", scheduler]
-    timeline = out / f"timeline-{scheduler}.json"
+    timeline = out / f"serve-overlap-timeline-{scheduler}.json"
     record: dict[str, Any] = {
         "server_command": f"DEVGRAPH_STEP_TIMELINE={timeline} "
         + shlex.join(["python", "-m", "devgraph.serve", *args])
     }
     env = {"DEVGRAPH_STEP_TIMELINE": str(timeline)}
-    with Server(args, out / f"serve-{scheduler}.log", settings["start_timeout"], env) as server:
+    with Server(args, out / f"serve-overlap-{scheduler}.log", settings["start_timeout"], env) as server:
         record["startup_seconds"] = server.startup_seconds
         card = server.get("/v1/models")["data"][0]
         warm = _trace(settings, card, settings["warmup"], 99)
