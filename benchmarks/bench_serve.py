@@ -62,10 +62,11 @@ SMOKE: dict[str, Any] = {
 class Server:
     """``python -m devgraph.serve`` as a subprocess on a free port; its stderr goes to ``log``."""
 
-    def __init__(self, args: list[str], log: Path, timeout: float) -> None:
+    def __init__(self, args: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> None:
         self.command = [sys.executable, "-m", "devgraph.serve", *args, "--port", "0", "--host", "127.0.0.1"]
         self.log = log
         self.timeout = timeout
+        self.env = None if env is None else {**os.environ, **env}
         self.url = ""
         self.startup_seconds = 0.0
 
@@ -73,7 +74,7 @@ class Server:
         start = time.perf_counter()
         self._err = open(self.log, "w")  # noqa: SIM115 - closed in __exit__
         self.proc = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=ROOT
+            self.command, stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=ROOT, env=self.env
         )
         found: list[str] = []
 

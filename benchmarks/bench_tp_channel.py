@@ -9,7 +9,7 @@ requests (contexts up to 2048 tokens, 16-token blocks: block tables 128 wide), a
 tokens over 8 requests. Each is sent ``--steps`` times, one every ``--gap-us`` (the worker waits between
 steps as it does while the GPU runs one), through
 
-- ``shm_spin`` and ``shm_park``: :func:`devgraph.serve.tp.wire.encode_step` +
+- ``shm_spin`` and ``shm_park``: :func:`devgraph.serve.engine.wire.encode_step` +
   :class:`devgraph.serve.tp.channel.StepChannel`, the worker's
   :class:`~devgraph.serve.tp.channel.WorkerChannel` + ``inputs(device)`` + ``context()``; the worker
   polling between steps (the default: it spins for half a second after each message), or parked on its
@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from devgraph.reference.inputs import StepContext
+from devgraph.serve.engine.wire import STOP, encode_step
 from devgraph.serve.tp.channel import StepChannel, WorkerChannel
-from devgraph.serve.tp.wire import STOP, encode_step
 
 BLOCK, WIDTH = 16, 128  # 16-token blocks, contexts up to 2048 tokens
 CASES = ("decode_1", "decode_256", "prefill_2048")

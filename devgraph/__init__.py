@@ -36,7 +36,7 @@ from devgraph.runner.background import BackgroundCapture
 from devgraph.runner.capture.job import CaptureReport, KeyReport
 from devgraph.runner.dispatch import EagerReason, FallbackReason
 from devgraph.runner.graph_runner import GraphRunner
-from devgraph.runner.handle import StepHandle
+from devgraph.runner.handle import HostCopy, StepHandle
 from devgraph.runner.life import LifeState
 from devgraph.runner.shared_pool import GraphPool
 from devgraph.runner.state import StateHooks
@@ -69,6 +69,7 @@ __all__ = [
     "GraphPlatform",
     "GraphPool",
     "GraphRunner",
+    "HostCopy",
     "InputError",
     "KeyReport",
     "LifeState",

@@ -23,6 +23,7 @@ from devgraph.serve.engine import (
     RequestOutput,
     Sampler,
     SamplingParams,
+    Schedule,
     Status,
 )
 from devgraph.serve.engine.request import Request
@@ -83,16 +84,22 @@ def test_block_tables_gather_rows_and_keep_a_zero_padding_row() -> None:
 
 # -- scheduling ----------------------------------------------------------------------------------------
 def test_chunked_prefill_under_the_token_budget_then_decode(model: ReferenceModel) -> None:
-    engine = _engine(model)
+    engine = _engine(model, scheduler="serial")
     request = engine.add_request(list(range(1, 71)), SamplingParams(max_tokens=3))
     lengths = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> Schedule:
+        planned = schedule()
+        lengths.append([(c.start, c.length, c.samples) for c in planned.chunks])
+        return planned
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
     for _ in range(3):
-        schedule = engine.scheduler.schedule()
-        lengths.append([(c.start, c.length, c.samples) for c in schedule.chunks])
-        engine._run("prefill", [(c.request, c.start, c.length, c.samples) for c in schedule.chunks])
+        engine.step()
     assert lengths == [[(0, 32, False)], [(32, 32, False)], [(64, 6, True)]]
     assert len(request.output) == 1 and request.num_computed == 70
-    assert engine.scheduler.schedule().decodes == [request]
+    assert schedule().decodes == [request]
     engine.close()
 
 

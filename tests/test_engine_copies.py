@@ -119,13 +119,13 @@ def test_copy_on_write_copies_only_the_shared_partial_block(monkeypatch: pytest.
     engine = _engine()
     prompt = PROMPT[:40]  # 2 whole blocks and 8 tokens of a third
     copied: list[tuple[int, int]] = []
-    original = engine._copy_blocks
+    original = engine.device_step.copy_blocks
 
-    def spy(copies: list[tuple[int, int]]) -> None:
-        copied.extend(copies)
-        original(copies)
+    def spy(sources: torch.Tensor, targets: torch.Tensor) -> None:
+        copied.extend(zip(sources.tolist(), targets.tolist(), strict=True))
+        original(sources, targets)
 
-    monkeypatch.setattr(engine, "_copy_blocks", spy)
+    monkeypatch.setattr(engine.device_step, "copy_blocks", spy)
     request = engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, n=3))
     while engine.has_work:
         engine.step()
@@ -144,5 +144,6 @@ def test_a_group_is_aborted_whole_or_one_copy_at_a_time() -> None:
     assert one.index == 1 and one.finished
     rest = engine.abort_group(request.request_id)
     assert sorted(o.index for o in rest) == [0, 2]
+    assert engine.drain() == []  # the step in flight (overlapped) gives the aborted copies nothing
     assert not engine.has_work and engine.allocator.num_free == engine.allocator.capacity
     engine.close()

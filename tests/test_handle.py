@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from devgraph import DeviceEvent, GraphRunner, InputError, StaticInput, StepHandle
+from devgraph import DeviceEvent, GraphRunner, HostCopy, InputError, StaticInput, StepHandle
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,6 +53,39 @@ def test_submit_takes_runs_arguments() -> None:
         runner.submit(x=x, copy=True, out=into)
     with pytest.raises(InputError, match="expected"):
         runner.submit(x=torch.randn(2, 15))
+    runner.close()
+
+
+def test_to_host_copies_what_the_step_computed_and_never_aliases_a_buffer() -> None:
+    runner, weight = make()
+    runner.capture()
+    x = torch.randn(3, 16)
+    handle = runner.submit(x=x)
+    tokens = handle.outputs.argmax(-1)  # what an engine computes after the step (sampling)
+    copy = runner.to_host(tokens, handle.outputs)
+    assert isinstance(copy, HostCopy) and copy.ready()
+    host_tokens, host_outputs = copy.wait()
+    expected = torch.tanh(x @ weight)
+    torch.testing.assert_close(host_outputs, expected)
+    assert torch.equal(host_tokens, expected.argmax(-1))
+    runner.submit(x=torch.randn(3, 16))  # the next step rewrites the graph's output buffer
+    torch.testing.assert_close(host_outputs, expected)  # the copy does not follow it
+    runner.close()
+
+
+@pytest.mark.cuda
+def test_cuda_to_host_lands_in_pinned_memory_after_the_event() -> None:
+    runner, weight = make("cuda")
+    runner.capture()
+    x = torch.randn(4, 16, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    handle = runner.submit(x=x)
+    for _ in range(20):  # keep the stream busy so the copy is still in flight when to_host returns
+        big = big @ big / 64
+    copy = runner.to_host(handle.outputs.argmax(-1), big[:1, :4])
+    (tokens, _) = copy.wait()
+    assert tokens.is_pinned() and not tokens.is_cuda
+    assert torch.equal(tokens, torch.tanh(x @ weight).argmax(-1).cpu())
     runner.close()
 
 

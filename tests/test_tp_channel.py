@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from devgraph.reference.inputs import StepContext, make_decode_batch
+from devgraph.serve.engine.wire import STOP, TRIM_MIN_BYTES, decode_step, encode_step
 from devgraph.serve.tp.channel import RankLost, StepChannel, WorkerChannel
 from devgraph.serve.tp.ring import RingReader, RingWriter
-from devgraph.serve.tp.wire import STOP, TRIM_MIN_BYTES, decode_step, encode_step
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,7 +208,7 @@ def test_abort_ends_a_waiting_send_at_once_and_the_workers_see_the_close() -> No
 _RANK0 = """
 import sys, time
 from devgraph.serve.tp.channel import StepChannel
-from devgraph.serve.tp.wire import encode_step
+from devgraph.serve.engine.wire import encode_step
 from devgraph.reference.inputs import StepContext
 import torch
 channel = StepChannel(2)

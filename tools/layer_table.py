@@ -114,7 +114,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
             "(deciding: a function of the step, the life's `Readiness` and the `KeySet`s), `schedule.py`, "
             "`staging.py`, `memory.py` (graph bytes, exact and estimated), `background.py` "
             "(`BackgroundCapture`, which drives lives key by key), `shared_pool.py` (`GraphPool`), "
-            "`handle.py` (`StepHandle`), `stats.py`, `state.py`, `verify.py`, `inspection.py`, `metrics.py`;"
+            "`handle.py` (`StepHandle`, `HostCopy`), `stats.py`, `state.py`, `verify.py`, `inspection.py`, "
+            "`metrics.py`;"
             " `capture/` (capturing keys: `job.py` the capture loop and its report, `graph_set.py` one "
             "strategy's graphs, `sets.py` the primary and fallback sets, `pending.py`, `lazy.py`, "
             "`advice.py`, `probe.py`, `undeclared.py`); `guard/` (the address guard: events, paths to "
@@ -134,8 +135,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
         Row(
             ("devgraph.serve.*",),
             "the serving application as one unit (its order is below): `engine/` (paged KV, continuous "
-            "batching, chunked prefill), `structured/` (constrained decoding: grammars, their limits and "
-            "masks), `checkpoint/` (the model served: a Hugging Face checkpoint's "
+            "batching, chunked prefill, the overlapped scheduler), `structured/` (constrained decoding: "
+            "grammars, their limits and masks), `checkpoint/` (the model served: a Hugging Face checkpoint's "
             "config, weights, tokenizer, chat template and generation config, or a random-weight preset), "
             "`api/` (the OpenAI HTTP API and the timed start-up), `tp/` (serving over several ranks), "
             "`bench/` (the load generator), `cli.py` (the arguments of `devgraph serve` and `devgraph bench "

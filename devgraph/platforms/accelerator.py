@@ -259,6 +259,12 @@ class AcceleratorGraphPlatform(GraphPlatform):
     def synchronize(self) -> None:
         torch.accelerator.synchronize()
 
+    def record_event(self) -> Any:
+        # The device's work runs after the call that issued it returns: a real event, never "done".
+        event = torch.Event()
+        event.record(torch.accelerator.current_stream())
+        return event
+
     # -- memory ----------------------------------------------------------------------------------
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.accelerator.get_memory_info()

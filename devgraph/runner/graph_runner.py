@@ -27,7 +27,7 @@ from devgraph.flag.factory import ResolvedPhase
 from devgraph.flag.trace import PhaseSteps
 from devgraph.ranks import track_runner
 from devgraph.runner.capture.job import CaptureReport
-from devgraph.runner.handle import StepHandle
+from devgraph.runner.handle import HostCopy, StepHandle, copy_to_host
 from devgraph.runner.inspection import describe_runner
 from devgraph.runner.life import GraphLife, Released
 from devgraph.runner.memory import GraphMemory, GraphMemoryEstimate
@@ -317,6 +317,14 @@ class GraphRunner:
                 n, context, counts=counts, variant=variant, copy=copy, out=out, agreement=agreement, **inputs
             )
             return StepHandle(outputs, self.life.plan.platform.record_event())
+
+    def to_host(self, *tensors: torch.Tensor) -> HostCopy:
+        """Copy ``tensors`` (computed on this runner's device after a step: sampled tokens, log
+        probabilities) to pinned host memory without blocking, ordered after the work issued so far on the
+        current stream; :class:`~devgraph.runner.handle.HostCopy` ``.wait()`` returns them once the copies
+        are done. The other half of :meth:`submit` for an engine that overlaps its host work (see
+        docs/user-guide.md). Holds no lock: it reads no runner state."""
+        return copy_to_host(tensors, self.life.plan.platform.record_event)
 
     def verify(
         self,

@@ -260,6 +260,14 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="run decodes and prefill chunks in separate steps"
     )
+    parser.add_argument(
+        "--scheduler",
+        choices=("overlap", "serial"),
+        default="overlap",
+        help="overlap (default): schedule and issue the next step while the device runs this one, read "
+        "its tokens after; serial: read each step's tokens before scheduling the next (to compare, or "
+        "fall back). Steps of requests with a grammar run serially either way",
+    )
     parser.add_argument("--seed", type=_int_in(0, (1 << 63) - 1), default=0, help="weight seed (default 0)")
     parser.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the --model value)"

@@ -43,7 +43,7 @@ from devgraph.serve.api.structured import attach_grammar
 from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
 from devgraph.serve.checkpoint.template_render import RendererBusy
 from devgraph.serve.checkpoint.text import Tokenizer
-from devgraph.serve.engine.loop import EngineLoop
+from devgraph.serve.engine.engine_thread import EngineLoop
 from devgraph.serve.structured.compiler import GrammarCompiler
 
 __all__ = ["ServerState", "build_app", "json_errors"]

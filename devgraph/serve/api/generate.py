@@ -39,7 +39,7 @@ from devgraph.serve.api.metrics import ServeMetrics
 from devgraph.serve.api.protocol import ApiError, error_body, now
 from devgraph.serve.api.stops import StopMatcher
 from devgraph.serve.checkpoint.text import IncrementalDecoder, Tokenizer
-from devgraph.serve.engine.loop import EngineAsleep, EngineClosed, EngineLoop
+from devgraph.serve.engine.engine_thread import EngineAsleep, EngineClosed, EngineLoop
 from devgraph.serve.engine.request import FinishReason, RequestOutput, TokenLogprob
 
 __all__ = ["ASLEEP_MESSAGE", "Choice", "Outbox", "Shape", "respond"]

@@ -34,7 +34,7 @@ from devgraph.serve.api.startup import Startup, build_engine, open_source
 from devgraph.serve.api.stats_log import ThroughputLog
 from devgraph.serve.api.timeline import StepTimeline
 from devgraph.serve.checkpoint.source import ModelSource
-from devgraph.serve.engine.loop import EngineLoop
+from devgraph.serve.engine.engine_thread import EngineLoop
 
 __all__ = ["listen_url", "serve"]
 

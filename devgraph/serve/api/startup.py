@@ -32,7 +32,7 @@ from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.serve.checkpoint.source import ModelSource, open_model
 from devgraph.serve.checkpoint.template_render import RenderLimits
-from devgraph.serve.engine.config import EngineConfig
+from devgraph.serve.engine.config import EngineConfig, SchedulerMode
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.sizing import KvSizing, kv_blocks_for_memory
 from devgraph.serve.engine.warmup import check_warm_up_fits
@@ -163,6 +163,7 @@ def build_engine(
         token_budget=budget,
         mixed_steps=not args.no_mixed_steps,
         deterministic=args.deterministic,
+        scheduler=SchedulerMode.parse(getattr(args, "scheduler", "overlap")),
     )
     logger.info(
         "building the model: %s (%s, %d layers, context %d) on %s; KV cache %.1f MiB (%d blocks of %d "
@@ -210,6 +211,13 @@ def build_engine(
         logger.info("%d graphs to capture in the background, one key between two steps", capture.total)
     startup.times["graphs_s"] = time.perf_counter() - start
     logger.info("graphs %s in %.1f s", "set up" if background else "ready", startup.times["graphs_s"])
+    logger.info(
+        "scheduler: %s (--scheduler; %s)",
+        engine_config.scheduler,
+        "the next step is issued while the device runs this one"
+        if engine_config.scheduler.overlaps
+        else "each step is read before the next is scheduled",
+    )
     _log_added_sizes(engine, graphs)
     return engine
 

@@ -1,14 +1,21 @@
 """Where a server's steps spend their time on the device, for the serving benchmarks.
 
-``DEVGRAPH_STEP_TIMELINE=PATH`` makes ``devgraph serve`` (rank 0 under ``--tp``) time every forward of its
-two runners after the warm-up: the host clock when the step's device work is queued, and a CUDA event just
-before and just after the runner's ``run`` (its input staging and its replay). At exit the server writes
-PATH (JSON): per step the phase, the tokens and requests, the host start (``time.monotonic``, the clock every
-process of the host shares, so a benchmark can pick the steps of one load phase) and the device start and
-end in milliseconds from the first event. From it: a step's device time (end - start) next to the ITL a
-client saw (the host's share of a step), and the device's idle time between two steps (start - previous
-end: sampling, scheduling, building and handing over the next batch). On the CPU the host clock stands in
-for the events. Two events per step cost a few microseconds of host time; off unless the variable is set.
+``DEVGRAPH_STEP_TIMELINE=PATH`` makes ``devgraph serve`` (rank 0 under ``--tp``) time every step after the
+warm-up, twice over:
+
+- ``steps``: every ``run`` of its two runners: the host clock when it is called, and a CUDA event just
+  before and just after it (the runner's input staging and its replay: the graph's time alone);
+- ``spans``: every forward the engine issues, from just before its first device work (the copy of the
+  step's message) to just after its last (sampling, the copies of the tokens back to the host): the
+  engine's whole device work of the step. Between the end of one span and the start of the next the
+  device has nothing of the engine's to run: that gap is the device's idle time (the host late with the
+  next step); under the overlapped scheduler it is near zero once the device has work queued.
+
+At exit the server writes PATH (JSON): per entry the phase, the tokens and requests, the host start
+(``time.monotonic``, the clock every process of the host shares, so a benchmark can pick the steps of one
+load phase) and the device start and end in milliseconds from the first event. On the CPU the host clock
+stands in for the events. Two events per entry cost a few microseconds of host time; off unless the
+variable is set.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class StepTimeline:
         self.limit = limit
         self.cuda = device.type == "cuda"
         self._steps: list[tuple[str, int, int, float, Any, Any]] = []
+        self._spans: list[tuple[str, int, int, float, Any, Any]] = []
+        self._origin: Any = None  # the first mark taken
 
     @classmethod
     def from_environment(cls, engine: Any) -> StepTimeline | None:
@@ -49,6 +58,7 @@ class StepTimeline:
         timeline = cls(engine.model.device, Path(path))
         timeline.wrap(engine.decode_runner, "decode")
         timeline.wrap(engine.prefill_runner, "prefill")
+        engine.step_observer = timeline
         logger.info("timing every step's device work for %s", path)
         return timeline
 
@@ -71,23 +81,44 @@ class StepTimeline:
 
         runner.run = timed
 
+    # -- the engine's spans (StepObserver) ------------------------------------------------------------
+    def begin(self, kind: str) -> Any:
+        if len(self._spans) >= self.limit:
+            return None
+        return kind, time.monotonic(), self._mark()
+
+    def end(self, mark: Any, tokens: int, requests: int) -> None:
+        if mark is not None:
+            kind, host, start = mark
+            self._spans.append((kind, tokens, requests, host, start, self._mark()))
+
     def _mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        if self.cuda:
+            mark: Any = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        else:
+            mark = time.perf_counter()
+        if self._origin is None:
+            self._origin = mark
+        return mark
 
     def steps(self) -> list[dict[str, Any]]:
-        """Every timed step: phase, tokens, requests, host_s, device_start_ms, device_end_ms."""
-        if not self._steps:
+        """Every timed run: phase, tokens, requests, host_s, device_start_ms, device_end_ms."""
+        return self._entries(self._steps)
+
+    def spans(self) -> list[dict[str, Any]]:
+        """Every forward the engine issued, as :meth:`steps` (phase ``decode``, ``prefill`` or ``mixed``)."""
+        return self._entries(self._spans)
+
+    def _entries(self, entries: list[tuple[str, int, int, float, Any, Any]]) -> list[dict[str, Any]]:
+        # One origin for both lists (the first mark taken), so spans and steps share a clock.
+        origin = self._origin
+        if not entries or origin is None:
             return []
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            first = self._steps[0][4]
-            elapsed = lambda event: first.elapsed_time(event)  # noqa: E731
+            elapsed = lambda event: origin.elapsed_time(event)  # noqa: E731
         else:
-            origin = self._steps[0][4]
             elapsed = lambda mark: (mark - origin) * 1e3  # noqa: E731
         return [
             {
@@ -98,12 +129,18 @@ class StepTimeline:
                 "device_start_ms": round(elapsed(start), 4),
                 "device_end_ms": round(elapsed(end), 4),
             }
-            for phase, tokens, requests, host, start, end in self._steps
+            for phase, tokens, requests, host, start, end in entries
         ]
 
     def save(self) -> None:
         """Write the steps to the file (after the last step: it waits for the device)."""
-        data = {"device": str(self.device), "clock": "time.monotonic", "steps": self.steps()}
+        data = {
+            "device": str(self.device),
+            "clock": "time.monotonic",
+            "steps": self.steps(),
+            "spans": self.spans(),
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(data) + "\n")
-        logger.info("%d timed steps written to %s", len(data["steps"]), self.path)
+        runs, spans = len(data["steps"]), len(data["spans"])
+        logger.info("%d timed runs and %d spans written to %s", runs, spans, self.path)

@@ -12,9 +12,9 @@ batches change composition, prefill chunks mix with decodes, and every forward g
 """
 
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables, OutOfBlocks
-from devgraph.serve.engine.config import EngineConfig
+from devgraph.serve.engine.config import EngineConfig, SchedulerMode
 from devgraph.serve.engine.engine import Engine
-from devgraph.serve.engine.loop import EngineAsleep, EngineClosed, EngineLoop, Sink
+from devgraph.serve.engine.engine_thread import EngineAsleep, EngineClosed, EngineLoop, Sink
 from devgraph.serve.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status
 from devgraph.serve.engine.sampler import Sampler
 from devgraph.serve.engine.scheduler import Chunk, Schedule, Scheduler
@@ -36,6 +36,7 @@ __all__ = [
     "Sampler",
     "Schedule",
     "Scheduler",
+    "SchedulerMode",
     "Sink",
     "Status",
 ]

@@ -1,8 +1,13 @@
-"""Turning a scheduled step into the reference model's inputs (device tensors) and host lengths.
+"""Turning a scheduled step into the reference model's inputs (host tensors) and host lengths.
 
 A decode step has one token per request (``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``,
 ``seq_lens``); a prefill step packs chunks (``cu_seqlens_q`` too). A decode token is also a valid chunk:
 one token after its cached prefix, which is how mixed steps carry decodes through the prefill runner.
+
+Everything is built on the host: the engine packs a step into one message
+(:mod:`~devgraph.serve.engine.wire`) that crosses to the device in one non-blocking copy. A token the
+host has not read yet (a *pending* token, sampled by a step the device may still run) gets id 0 here and
+its request's token slot in ``id_slots``; the device takes its id from the slot before the forward.
 
 ``pad_tokens``/``pad_requests`` pad the step to a fixed shape here, before the runner sees it (the
 engine's deterministic mode): padding tokens write only the scratch slot, padding requests have length 0
@@ -37,6 +42,9 @@ class StepBatch:
     lengths: list[int]
     engine_padding: int = 0
     starts: list[int] = field(default_factory=list)
+    #: Per token (padding included): the token slot its id comes from on the device, -1 where the id is
+    #: in ``input_ids``; ``None`` when every id is known.
+    id_slots: torch.Tensor | None = None
 
 
 def _row(request: Request) -> int:
@@ -58,20 +66,39 @@ def _slots(request: Request, start: int, length: int, block_size: int) -> list[i
     return slots
 
 
+def _ids(request: Request, start: int, length: int, ids: list[int], from_slots: list[int]) -> bool:
+    """Append the ids of tokens ``start .. start + length - 1`` (0 for a pending one) and where each
+    comes from (-1: the id; else the request's token slot); True if any is pending."""
+    known = min(length, max(0, request.num_known - start))
+    ids.extend(request.tokens_from(start, known))
+    from_slots.extend([-1] * known)
+    if known == length:
+        return False
+    ids.extend([0] * (length - known))
+    from_slots.extend([_row(request)] * (length - known))
+    return True
+
+
+def _id_slots(from_slots: list[int], pending: bool, pad: int) -> torch.Tensor | None:
+    return torch.tensor(from_slots + [-1] * pad, dtype=torch.int64) if pending else None
+
+
 def decode_batch(
     requests: Sequence[Request],
     tables: BlockTables,
     block_size: int,
-    device: torch.device,
     *,
     padding_slot: int = 0,
     pad_to: int | None = None,
 ) -> StepBatch:
-    ids, positions, slots, lens = [], [], [], []
+    ids: list[int] = []
+    from_slots: list[int] = []
+    positions, slots, lens = [], [], []
     rows: list[int] = []
+    pending = False
     for request in requests:
         position = request.num_computed
-        ids.append(request.token_at(position))
+        pending |= _ids(request, position, 1, ids, from_slots)
         positions.append(position)
         slots.append(_slots(request, position, 1, block_size)[0])
         lens.append(position + 1)
@@ -82,12 +109,19 @@ def decode_batch(
         "positions": positions + [0] * pad,
         "slot_mapping": slots + [padding_slot] * pad,
     }
-    tensors = {name: torch.tensor(v, dtype=torch.int64).to(device) for name, v in inputs.items()}
-    tensors["block_tables"] = tables.gather(rows + [tables.padding_row] * pad).to(device)
-    tensors["seq_lens"] = torch.tensor(lens + [0] * pad, dtype=torch.int32).to(device)
+    tensors = {name: torch.tensor(v, dtype=torch.int64) for name, v in inputs.items()}
+    tensors["block_tables"] = tables.gather(rows + [tables.padding_row] * pad)
+    tensors["seq_lens"] = torch.tensor(lens + [0] * pad, dtype=torch.int32)
     count = len(requests)
     return StepBatch(
-        tensors, StepContext(seq_lens=lens), list(requests), [True] * count, [1] * count, pad, positions
+        tensors,
+        StepContext(seq_lens=lens),
+        list(requests),
+        [True] * count,
+        [1] * count,
+        pad,
+        positions,
+        _id_slots(from_slots, pending, pad),
     )
 
 
@@ -95,7 +129,6 @@ def prefill_batch(
     entries: Sequence[tuple[Request, int, int, bool]],
     tables: BlockTables,
     block_size: int,
-    device: torch.device,
     *,
     padding_slot: int = 0,
     pad_tokens: int | None = None,
@@ -103,12 +136,14 @@ def prefill_batch(
 ) -> StepBatch:
     """``entries``: ``(request, start, length, samples)`` per request, decodes as 1-token chunks."""
     ids: list[int] = []
+    from_slots: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     lens, cu = [], [0]
     rows: list[int] = []
+    pending = False
     for request, start, length, _ in entries:
-        ids.extend(request.tokens_from(start, length))
+        pending |= _ids(request, start, length, ids, from_slots)
         positions.extend(range(start, start + length))
         slots.extend(_slots(request, start, length, block_size))
         lens.append(start + length)
@@ -117,12 +152,12 @@ def prefill_batch(
     token_pad = max(0, (pad_tokens or 0) - len(ids))
     request_pad = max(0, (pad_requests or 0) - len(entries))
     tensors = {
-        "input_ids": torch.tensor(ids + [0] * token_pad, dtype=torch.int64).to(device),
-        "positions": torch.tensor(positions + [0] * token_pad, dtype=torch.int64).to(device),
-        "slot_mapping": torch.tensor(slots + [padding_slot] * token_pad, dtype=torch.int64).to(device),
-        "block_tables": tables.gather(rows + [tables.padding_row] * request_pad).to(device),
-        "seq_lens": torch.tensor(lens + [0] * request_pad, dtype=torch.int32).to(device),
-        "cu_seqlens_q": torch.tensor(cu + [cu[-1]] * request_pad, dtype=torch.int32).to(device),
+        "input_ids": torch.tensor(ids + [0] * token_pad, dtype=torch.int64),
+        "positions": torch.tensor(positions + [0] * token_pad, dtype=torch.int64),
+        "slot_mapping": torch.tensor(slots + [padding_slot] * token_pad, dtype=torch.int64),
+        "block_tables": tables.gather(rows + [tables.padding_row] * request_pad),
+        "seq_lens": torch.tensor(lens + [0] * request_pad, dtype=torch.int32),
+        "cu_seqlens_q": torch.tensor(cu + [cu[-1]] * request_pad, dtype=torch.int32),
     }
     return StepBatch(
         tensors,
@@ -132,4 +167,5 @@ def prefill_batch(
         [e[2] for e in entries],
         token_pad,
         [e[1] for e in entries],
+        _id_slots(from_slots, pending, token_pad),
     )

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from devgraph import ConfigError
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "SchedulerMode"]
+
+
+class SchedulerMode(str, enum.Enum):
+    """How the engine's host work meets the device's (``--scheduler``).
+
+    ``overlap``: step N+1 is scheduled, staged and issued while the device runs step N, and step N's
+    tokens are read (stop checks, outputs) after that; its input ids come from step N's sampled tokens on
+    the device. ``serial``: each step's tokens are read before the next step is scheduled (the device
+    waits for the host between steps). Both give every request the same tokens for the same logits.
+    """
+
+    SERIAL = "serial"
+    OVERLAP = "overlap"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def overlaps(self) -> bool:
+        return self is SchedulerMode.OVERLAP
+
+    @classmethod
+    def parse(cls, value: object) -> SchedulerMode:
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ConfigError(f"scheduler must be one of {choices}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -26,14 +55,18 @@ class EngineConfig:
     move in the last bits with the number of other requests in the step, and a greedy token can flip
     where two logits are nearly tied. With it, a request's tokens depend only on the request, with graphs
     or without. It costs the padding (and one graph per phase instead of a size ladder).
+
+    ``scheduler``: :class:`SchedulerMode` (or its value): ``overlap`` (the default) or ``serial``.
     """
 
     max_running_requests: int = 8
     token_budget: int = 256
     mixed_steps: bool = True
     deterministic: bool = False
+    scheduler: SchedulerMode = SchedulerMode.OVERLAP
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "scheduler", SchedulerMode.parse(self.scheduler))
         for name in ("max_running_requests", "token_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

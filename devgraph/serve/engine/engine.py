@@ -1,35 +1,62 @@
 """The reference serving engine: continuous batching over the reference model's paged KV cache.
 
-One :meth:`Engine.step` runs in stages, each one method: **schedule** (see
-:mod:`~devgraph.serve.engine.scheduler`; copy-on-write block copies run on the device right after),
-**stage** the step's inputs (:mod:`~devgraph.serve.engine.batch`), **forward** through a ``GraphRunner``
-(decode-only steps through the decode runner, prefill and mixed steps through the prefill runner, whose
-graphs return the last tokens' logits and every token's hidden state), **sample** (and the log
-probabilities asked for: the prompt's from the hidden states of just the rows that need them), and
-**bookkeeping** (computed positions, forks of ``n > 1`` requests, finishes, each request's output).
-Single-threaded: call it from one thread (:class:`~devgraph.serve.engine.loop.EngineLoop` runs it in a
-thread of its own).
+A step goes in two halves.
+
+**Issue** (the host decides and queues device work; nothing is read back): **schedule** (see
+:mod:`~devgraph.serve.engine.scheduler`), **stage** the step's inputs on the host
+(:mod:`~devgraph.serve.engine.batch`), the bookkeeping that needs no token (positions computed, forks of
+``n > 1`` requests, which rows sample and their uniform numbers, which prompt tokens are scored), all of it
+packed into one message (:mod:`~devgraph.serve.engine.wire`) that crosses to the device in one
+non-blocking copy; then on the device (:mod:`~devgraph.serve.engine.device_step`) copy-on-write blocks,
+pending ids from the token slots and the **forward** through a ``GraphRunner`` (decode-only steps through
+the decode runner, prefill and mixed steps through the prefill runner, whose graphs return the last
+tokens' logits and every token's hidden state), **sampling** (and the log probabilities asked for: the
+prompt's from the hidden states of just the rows that need them), each sampled token into its request's
+slot, and non-blocking copies of the tokens into pinned host memory with an event after them.
+
+**Read** (once the event completed): the prompt's log probabilities, then each sampled token accepted:
+stop tokens, the grammar, ``max_tokens``, the request's output. A token of a request that finished in the
+meantime (a stop token read a step earlier, an abort) is dropped: it never reaches the request.
+
+The **serial** scheduler reads each step right after issuing it. The **overlapped** one (the default,
+:class:`~devgraph.serve.engine.config.SchedulerMode`) issues step N+1 before it reads step N, so the
+host's scheduling and staging of N+1 and its reading of N run while the device runs N (see the scheduler
+for the rules that keep that exact). A step runs serially (read at once) while a request with a grammar
+runs (its mask needs the previous token on the host) and while graphs are captured in the background
+(a capture never overlaps a step). Single-threaded: call it from one thread
+(:class:`~devgraph.serve.engine.engine_thread.EngineLoop` runs it in a thread of its own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from devgraph import BackgroundCapture, CaptureReport, ConfigError, DeviceGraphConfig, GraphRunner, InputError
+from devgraph import (
+    BackgroundCapture,
+    CaptureReport,
+    ConfigError,
+    DeviceGraphConfig,
+    GraphRunner,
+    HostCopy,
+    InputError,
+)
 from devgraph.messages import shorten
+from devgraph.reference.inputs import StepContext
 from devgraph.reference.model import ReferenceModel
 from devgraph.reference.runners import decode_runner, prefill_runner
-from devgraph.serve.engine import sleep
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables
 from devgraph.serve.engine.batch import StepBatch, decode_batch, prefill_batch
 from devgraph.serve.engine.config import EngineConfig
+from devgraph.serve.engine.device_step import DeviceStep, StepResult
 from devgraph.serve.engine.grammar import GrammarFailed
 from devgraph.serve.engine.limits import cap_phase_sizes
 from devgraph.serve.engine.request import (
@@ -40,18 +67,58 @@ from devgraph.serve.engine.request import (
     Status,
     TokenLogprob,
 )
-from devgraph.serve.engine.sampler import Sampler
+from devgraph.serve.engine.sampler import (
+    LogprobTensors,
+    Sampler,
+    SamplingPlan,
+    logprob_entries,
+    logprob_tensors,
+    sample_on_device,
+)
 from devgraph.serve.engine.scheduler import Scheduler
-from devgraph.serve.engine.sleep import KvCacheShape
+from devgraph.serve.engine.sleep import SleepMode, allocate_kv_cache, free_kv_cache, kv_cache_shape
 from devgraph.serve.engine.stats import engine_stats
 from devgraph.serve.engine.warmup import check_warm_up_fits, warm_up_lengths
+from devgraph.serve.engine.wire import StepMessage, encode_step
 
-__all__ = ["Engine", "StepResult"]
-
-#: What a step's forward returns: the sampled rows' logits, and (prefill) every token's hidden state.
-StepResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+__all__ = ["Engine", "IssuedForward", "IssuedStep", "StepObserver", "StepResult"]
 
 logger = logging.getLogger(__name__)
+
+#: The log-probability tensors of one set of rows, as they come back to the host (LogprobTensors' order).
+_LOGPROB_PARTS = 5
+
+
+@dataclass
+class IssuedForward:
+    """One forward on the device and what the host does with its results once read: ``sampled`` (one
+    request per sampled token, in row order), ``finishing`` (``max_tokens`` 0: the prompt alone),
+    ``scored`` (the owner of each prompt row scored), and ``readback``: the tokens, then the sampled
+    tokens' log-probability tensors, then the prompt's, on their way to the host."""
+
+    kind: str
+    sampled: list[Request] = field(default_factory=list)
+    finishing: list[Request] = field(default_factory=list)
+    scored: list[Request] = field(default_factory=list)
+    logprob_counts: list[int] = field(default_factory=list)
+    score_counts: list[int] = field(default_factory=list)
+    readback: HostCopy | None = None
+
+
+@dataclass
+class IssuedStep:
+    """A step issued and not read yet: its forwards (one, or a decode and a prefill without mixed steps)."""
+
+    forwards: list[IssuedForward] = field(default_factory=list)
+
+
+class StepObserver(Protocol):
+    """Told of each forward's device work (the step timeline times it): ``begin`` before the step's first
+    device work is issued, ``end`` after its last (the copies back to the host)."""
+
+    def begin(self, kind: str) -> Any: ...
+
+    def end(self, mark: Any, tokens: int, requests: int) -> None: ...
 
 
 class Engine:
@@ -71,9 +138,6 @@ class Engine:
         progress: bool | None = None,
     ) -> None:
         self.model = model
-        #: Where a step's input tensors are built: the model's device; a tensor-parallel rank 0 builds them
-        #: on the host and hands them to its workers before moving them itself.
-        self.batch_device: torch.device = model.device
         self.config = config or EngineConfig()
         self.model_config = model.config
         running, budget = self.config.max_running_requests, self.config.token_budget
@@ -114,6 +178,18 @@ class Engine:
             hidden_states=True,  # the prompt's log probabilities are computed from them
             **prefill_sizes,
         )
+        #: The device half of every step (the same on every tensor-parallel rank) and the token slots.
+        self.device_step = DeviceStep(
+            model, self.decode_runner, self.prefill_runner, slots=running + 1, group=group
+        )
+        self._pin = model.device.type != "cpu"  # the step's message crosses from pinned memory
+        self._step_numbers = itertools.count()
+        #: The step issued and not read yet (the overlapped scheduler); None between serial steps.
+        self._in_flight: IssuedStep | None = None
+        #: Steps read at once, by reason: "scheduler" (serial), "constrained", "capturing".
+        self.serial_steps: Counter[str] = Counter()
+        #: Told of each forward's device work (the step timeline); None: nobody.
+        self.step_observer: StepObserver | None = None
         self._requests: dict[str, Request] = {}
         self._groups: dict[str, list[Request]] = {}  # submitted id -> the request and its copies
         self._arrivals = itertools.count()
@@ -127,9 +203,8 @@ class Engine:
         self.generation_tokens = 0  # tokens handed out (stop tokens are not)
         #: Prompt (and recomputed) tokens run through prefill chunks: n copies of a prompt count it once.
         self.prefill_tokens = 0
-        #: Sleep mode (sleep()): the level asleep at (None: awake) and the KV cache to allocate on wake-up.
-        self.sleep_level: int | None = None
-        self._kv_shape: KvCacheShape | None = None
+        #: Sleep mode (sleep()): whether the engine sleeps and the KV cache it freed.
+        self.sleep_mode = SleepMode(model, (self.decode_runner, self.prefill_runner))
         if capture:
             self.capture()
 
@@ -149,23 +224,46 @@ class Engine:
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache at ``num_blocks`` blocks instead (``--gpu-memory-utilization`` sizes it
         after the graphs' estimate); only before any graph is captured and with no request in the engine."""
-        sleep.resize_kv_cache(self, num_blocks)
+        captured = self.decode_runner.keys or self.prefill_runner.keys
+        if self.has_work or captured or self.background is not None:
+            raise ConfigError(
+                "resize the KV cache before capturing graphs and before adding requests: the graphs read "
+                "the cache's addresses"
+            )
+        free_kv_cache(self.model)
+        self.model.config = dataclasses.replace(self.model.config, num_blocks=num_blocks)
+        self.model_config = self.model.config
+        allocate_kv_cache(self.model, kv_cache_shape(self.model))
+        self.allocator = self.scheduler.allocator = BlockAllocator(self.model_config.total_blocks)
 
     # -- sleep mode (serve/engine/sleep.py) ------------------------------------------------------------
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Give the device memory of an idle engine back: level 1 releases both runners' graphs and their
         pools, then frees the KV cache (its contents are lost); the weights stay. :class:`ConfigError`
         while requests are in flight or graphs are captured in the background. Returns what was freed."""
-        return sleep.put_to_sleep(self, level)
+        busy = None
+        if self.has_work:
+            busy = (
+                f"the engine has {self.num_running + self.num_waiting} request(s) in flight: sleep when it "
+                "is idle (their KV cache would be freed under them)"
+            )
+        elif self.background is not None and not self.background.done:
+            busy = "the graphs are still being captured in the background; sleep once they are"
+        return self.sleep_mode.sleep(level, busy)
 
     def wake_up(self) -> dict[str, Any]:
         """Take the memory back after :meth:`sleep`: the KV cache first (its old size, zeroed), then the
         graphs, captured on the new cache (no compile again). Returns the seconds each took."""
-        return sleep.wake_up(self)
+        return self.sleep_mode.wake_up()
+
+    @property
+    def sleep_level(self) -> int | None:
+        """The level the engine sleeps at; ``None``: awake."""
+        return self.sleep_mode.level
 
     @property
     def is_sleeping(self) -> bool:
-        return self.sleep_level is not None
+        return self.sleep_mode.asleep
 
     def warm_up(self) -> None:
         """Serve two throw-away requests (a 1-token and a longer prompt) so that first-use costs (lazy
@@ -183,8 +281,12 @@ class Engine:
         self.prefill_runner.reset_stats()
 
     def close(self) -> None:
-        self.decode_runner.close()
-        self.prefill_runner.close()
+        """Read the step in flight (its device work done), then release both runners."""
+        try:
+            self.drain()
+        finally:
+            self.decode_runner.close()
+            self.prefill_runner.close()
 
     # -- requests ------------------------------------------------------------------------------------
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
@@ -279,7 +381,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests running or waiting, or a step issued and not read yet."""
+        return self.scheduler.has_work or self._in_flight is not None
 
     @property
     def num_running(self) -> int:
@@ -291,12 +394,52 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that got a token or finished."""
-        schedule = self.scheduler.schedule()
+        """Run one step; returns an output for every request that got a token or finished.
+
+        Serial: schedule and issue a step, then read it. Overlapped: schedule and issue step N+1, then read
+        step N (issued by the previous call) while the device runs N+1; the outputs are step N's (and
+        those of N+1's forwards that failed). :meth:`drain` reads the step left in flight."""
         outputs: list[RequestOutput] = []
+        if self._serial_reason() is not None:
+            outputs += self.drain()
+        issued = self._issue(outputs)
+        previous = self._take()
+        if previous is not None:
+            outputs += self._read(previous)
+        if issued is not None:
+            reason = self._serial_reason()
+            if reason is None:
+                self._in_flight = issued
+            else:
+                self.serial_steps[reason] += 1
+                outputs += self._read(issued)
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Read the step in flight, if any (its outputs); after it the engine has nothing on the device."""
+        previous = self._take()
+        return [] if previous is None else self._read(previous)
+
+    def _take(self) -> IssuedStep | None:
+        issued, self._in_flight = self._in_flight, None
+        return issued
+
+    def _serial_reason(self) -> str | None:
+        """Why a step issued now must be read at once (``None``: the next step may be issued first)."""
+        if not self.config.scheduler.overlaps:
+            return "scheduler"  # --scheduler serial
+        if self.background is not None and not self.background.done:
+            return "capturing"  # a key is captured between two steps, with none in flight
+        if any(r.grammar is not None for r in self.scheduler.running):
+            return "constrained"  # a grammar's mask for the next step needs this step's token
+        return None
+
+    def _issue(self, failed: list[RequestOutput]) -> IssuedStep | None:
+        """Schedule a step and issue its forwards; ``failed`` gets the outputs of requests whose forward
+        failed to issue (they finish with ``finish_reason`` error). ``None``: nothing to run."""
+        schedule = self.scheduler.schedule()
         if schedule.empty:
-            return outputs
-        self._copy_blocks(schedule.copies)
+            return None
         self.prefill_tokens += sum(c.length for c in schedule.chunks)
         decode_entries = [(r, r.num_computed, 1, True) for r in schedule.decodes]
         chunk_entries = [(c.request, c.start, c.length, c.samples) for c in schedule.chunks]
@@ -306,126 +449,215 @@ class Engine:
             forwards = [
                 (kind, e) for kind, e in (("decode", decode_entries), ("prefill", chunk_entries)) if e
             ]
+        issued = IssuedStep()
+        copies = schedule.copies  # copy-on-write blocks: before the step's first forward that runs
         for kind, entries in forwards:
+            forward = IssuedForward(kind)
             try:
-                outputs += self._run(kind, entries)
+                self._issue_forward(forward, entries, copies)
             except Exception as exc:  # a failed forward fails its requests, not the engine
-                logger.warning(
-                    "a %s step failed; its %d request(s) finish with finish_reason 'error': %r",
-                    kind,
-                    len(entries),
-                    exc,
-                    exc_info=logger.isEnabledFor(logging.DEBUG),
-                )
-                for request, *_ in entries:
-                    for member in (request, *request.copies):
-                        if member.status is not Status.FINISHED:
-                            outputs.append(self._finish(member, FinishReason.ERROR, [], error=repr(exc)))
+                failed += self._fail(forward, entries, exc)
+                continue
+            issued.forwards.append(forward)
+            copies = []
+        return issued if issued.forwards else None
+
+    def _issue_forward(
+        self,
+        forward: IssuedForward,
+        entries: list[tuple[Request, int, int, bool]],
+        copies: list[tuple[int, int]],
+    ) -> None:
+        """Stage, plan and issue one forward and its sampling; fills ``forward`` as it goes (so a failure
+        half-way knows the copies it forked)."""
+        batch = self._stage(forward.kind, entries)
+        message, plan, rows = self._plan(forward, batch, copies)
+        observer = self.step_observer
+        mark = observer.begin(forward.kind) if observer is not None else None
+        self._run_on_device(forward, batch, message, plan, rows)
+        if observer is not None:
+            observer.end(mark, int(batch.inputs["input_ids"].shape[0]), len(batch.requests))
+        for member in forward.sampled:
+            member.pending += 1
+        self.step_counts[forward.kind] += 1
+        self.engine_padding += batch.engine_padding
+
+    def _plan(
+        self, forward: IssuedForward, batch: StepBatch, copies: list[tuple[int, int]]
+    ) -> tuple[StepMessage, SamplingPlan, list[int]]:
+        """The host's half: positions computed, forks, which rows sample (and their uniform numbers), which
+        prompt rows are scored; all of it packed with the inputs into one message. Returns the message,
+        the sampling plan and the logits row of each sampled request."""
+        arrays = dict(batch.inputs)
+        arrays.update(self._plan_prompt_scores(forward, batch))
+        for request, length in zip(batch.requests, batch.lengths, strict=True):
+            request.num_computed += length
+        rows: list[int] = []
+        for row, (request, samples) in enumerate(zip(batch.requests, batch.samples, strict=True)):
+            if not samples:
+                continue
+            if request.params.max_tokens == 0:  # the prompt alone (its log probabilities): nothing to sample
+                forward.finishing += (request, *request.copies)
+                continue
+            for member in (request, *self.scheduler.fork(request)) if request.copies else (request,):
+                rows.append(row)
+                forward.sampled.append(member)
+        plan = self.sampler.plan(forward.sampled)
+        forward.logprob_counts = plan.logprob_counts
+        if forward.sampled:
+            arrays["sample_rows"] = torch.tensor(rows, dtype=torch.int64)
+            arrays["sample_slots"] = torch.tensor([m.row for m in forward.sampled], dtype=torch.int64)
+            arrays.update(plan.arrays)
+        if copies:
+            arrays["copy_from"] = torch.tensor([c[0] for c in copies], dtype=torch.int64)
+            arrays["copy_to"] = torch.tensor([c[1] for c in copies], dtype=torch.int64)
+        if batch.id_slots is not None:
+            arrays["id_slots"] = batch.id_slots
+        step = next(self._step_numbers)
+        message = encode_step(
+            forward.kind, arrays, batch.context, step=step, columns=self._columns(batch), pin=self._pin
+        )
+        return message, plan, rows
+
+    def _run_on_device(
+        self,
+        forward: IssuedForward,
+        batch: StepBatch,
+        message: StepMessage,
+        plan: SamplingPlan,
+        rows: list[int],
+    ) -> None:
+        """The device's half, queued and never waited for: the message's one copy, the forward, sampling,
+        the tokens into their slots, the prompt's scores, and the copies of what the host reads."""
+        on_device = message.inputs(self.model.device)
+        result = self.launch(forward.kind, message, on_device, batch.context)
+        logits, hidden = result if isinstance(result, tuple) else (result, None)
+        back: list[torch.Tensor] = []
+        if forward.sampled:
+            if rows != list(range(logits.shape[0])):
+                logits = logits.index_select(0, on_device["sample_rows"])
+            tokens, logprobs = sample_on_device(logits, plan, on_device)
+            self.device_step.slots.write(on_device["sample_slots"], tokens)
+            back += (tokens, *(logprobs.tensors() if logprobs is not None else ()))
+        if forward.scored:
+            assert hidden is not None  # prefill steps return every token's hidden state
+            rows_logits = self.model.compute_logits(hidden.index_select(0, on_device["score_rows"]))
+            scored = logprob_tensors(rows_logits, on_device["score_targets"], max(forward.score_counts))
+            back += scored.tensors()
+        forward.readback = self.decode_runner.to_host(*back) if back else None
+
+    def launch(
+        self, kind: str, message: StepMessage, arrays: dict[str, torch.Tensor], context: StepContext
+    ) -> StepResult:
+        """Hand a step to the device: ``arrays`` are ``message``'s tensors there. A tensor-parallel engine
+        sends ``message`` to the other ranks first."""
+        return self.device_step.forward(kind, arrays, context)
+
+    def _fail(
+        self, forward: IssuedForward, entries: list[tuple[Request, int, int, bool]], exc: Exception
+    ) -> list[RequestOutput]:
+        logger.warning(
+            "a %s step failed; its %d request(s) finish with finish_reason 'error': %r",
+            forward.kind,
+            len(entries),
+            exc,
+            exc_info=logger.isEnabledFor(logging.DEBUG),
+        )
+        members = [m for request, *_ in entries for m in (request, *request.copies)]
+        members += forward.sampled + forward.finishing  # copies forked before the failure
+        outputs = []
+        for member in {id(m): m for m in members}.values():
+            if member.status is not Status.FINISHED:
+                outputs.append(self._finish(member, FinishReason.ERROR, [], error=repr(exc)))
         return outputs
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: the scheduler gave requests private copies of shared KV blocks; fill them."""
-        if not copies:
-            return
-        device = self.model.device
-        sources = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
-        targets = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
-        with torch.no_grad():
-            for cache in (*self.model.k_cache, *self.model.v_cache):
-                cache.index_copy_(0, targets, cache.index_select(0, sources))
-
-    def _run(self, kind: str, entries: list[tuple[Request, int, int, bool]]) -> list[RequestOutput]:
-        batch = self._stage(kind, entries)
-        result = self.forward(kind, batch)
-        self.step_counts[kind] += 1
-        self.engine_padding += batch.engine_padding
-        logits, hidden = result if isinstance(result, tuple) else (result, None)
-        return self._advance(batch, logits, hidden)
-
     def _stage(self, kind: str, entries: list[tuple[Request, int, int, bool]]) -> StepBatch:
-        """The step's runner inputs on the device (padded to one shape per phase in deterministic mode)."""
+        """The step's runner inputs on the host (padded to one shape per phase in deterministic mode)."""
         pinned = self.config.deterministic
         common = {"padding_slot": self.model.padding_slot}
-        block_size, device = self.model_config.block_size, self.batch_device
+        block_size = self.model_config.block_size
         if kind == "decode":
             pad = self.config.max_running_requests if pinned else None
-            return decode_batch(
-                [e[0] for e in entries], self.tables, block_size, device, pad_to=pad, **common
-            )
+            return decode_batch([e[0] for e in entries], self.tables, block_size, pad_to=pad, **common)
         budget, running = self.config.token_budget, self.config.max_running_requests
         return prefill_batch(
             entries,
             self.tables,
             block_size,
-            device,
             pad_tokens=budget if pinned else None,
             pad_requests=running if pinned else None,
             **common,
         )
 
-    def forward(self, kind: str, batch: StepBatch) -> StepResult:
-        """The step's logits: ``decode`` through the decode runner; ``prefill``/``mixed`` through the
-        prefill runner, with every token's hidden state beside them. A tensor-parallel engine sends the
-        batch to the other ranks first."""
-        runner = self.decode_runner if kind == "decode" else self.prefill_runner
-        return runner.run(context=batch.context, **batch.inputs)  # type: ignore[no-any-return]
+    def _columns(self, batch: StepBatch) -> dict[str, int]:
+        """The block-table columns the step reads: those of its longest request (the rest go as zeros)."""
+        lengths = batch.context.seq_lens
+        if not lengths:
+            return {}
+        return {"block_tables": -(-max(lengths) // self.model_config.block_size)}
 
-    def _advance(
-        self, batch: StepBatch, logits: torch.Tensor, hidden: torch.Tensor | None
-    ) -> list[RequestOutput]:
-        """Sample, then the bookkeeping: positions computed, the prompt's log probabilities, forks of
-        ``n > 1`` requests whose prompt is done, and each request's output."""
-        if hidden is not None:
-            self._score_prompts(batch, hidden)
-        for request, length in zip(batch.requests, batch.lengths, strict=True):
-            request.num_computed += length
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        rows: list[int] = []
-        sampled: list[Request] = []
-        for row, (request, samples) in enumerate(zip(batch.requests, batch.samples, strict=True)):
-            if not samples:
-                continue
-            if request.params.max_tokens == 0:  # the prompt alone (its log probabilities): nothing to sample
-                for member in (request, *request.copies):
-                    outputs.append(self._finish(member, FinishReason.LENGTH, [], now=now))
-                continue
-            for member in (request, *self.scheduler.fork(request)) if request.copies else (request,):
-                rows.append(row)
-                sampled.append(member)
-        if not sampled:
-            return outputs
-        if rows != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        tokens, logprobs = self.sampler.sample_step(logits, sampled)
-        return outputs + [
-            self._accept(r, t, now, lp) for r, t, lp in zip(sampled, tokens, logprobs, strict=True)
-        ]
-
-    def _score_prompts(self, batch: StepBatch, hidden: torch.Tensor) -> None:
-        """The log probabilities of the prompt tokens this step's chunks predict (row ``p`` of a chunk
-        predicts token ``p + 1``), for the requests that asked and only for those rows: the LM head runs on
-        them alone, after the graph. Each prompt token is scored once (a recomputed prompt is not)."""
+    def _plan_prompt_scores(self, forward: IssuedForward, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """The prompt tokens this forward's chunks predict (row ``p`` of a chunk predicts token ``p + 1``)
+        whose log probabilities are wanted: their rows and targets, for the requests that asked and only
+        for those rows (the LM head runs on them alone, after the graph). Each prompt token is scored
+        once (a recomputed prompt is not)."""
         rows: list[int] = []
         targets: list[int] = []
-        owners: list[Request] = []
         offset = 0
         for request, start, length in zip(batch.requests, batch.starts, batch.lengths, strict=True):
-            scored = len(request.prompt_logprobs) if request.wants_prompt_logprobs else None  # type: ignore[arg-type]
-            if scored is not None:
-                for position in range(max(start, scored - 1), min(start + length, len(request.prompt) - 1)):
+            if request.wants_prompt_logprobs:
+                first = max(start, request.prompt_scored - 1)
+                last = min(start + length, len(request.prompt) - 1)
+                for position in range(first, last):
                     rows.append(offset + position - start)
                     targets.append(request.prompt[position + 1])
-                    owners.append(request)
+                    forward.scored.append(request)
+                request.prompt_scored += max(0, last - first)
             offset += length
         if not rows:
-            return
-        device = hidden.device
-        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=device)))
-        counts = [r.params.prompt_logprobs or 0 for r in owners]
-        entries = self.sampler.token_logprobs(logits, torch.tensor(targets, device=device), counts)
-        for request, entry in zip(owners, entries, strict=True):
-            request.prompt_logprobs.append(entry)  # type: ignore[union-attr]
+            return {}
+        forward.score_counts = [r.params.prompt_logprobs or 0 for r in forward.scored]
+        return {
+            "score_rows": torch.tensor(rows, dtype=torch.int64),
+            "score_targets": torch.tensor(targets, dtype=torch.int64),
+        }
+
+    # -- reading a step ------------------------------------------------------------------------------
+    def _read(self, issued: IssuedStep) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for forward in issued.forwards:
+            outputs += self._read_forward(forward)
+        return outputs
+
+    def _read_forward(self, forward: IssuedForward) -> list[RequestOutput]:
+        """Wait for the forward's copies, then: the prompt's log probabilities, the requests that finish
+        with their prompt, and every sampled token accepted, except a token of a request that finished
+        since the forward was issued (it stopped a step earlier, or was aborted): that one is dropped."""
+        host = list(forward.readback.wait()) if forward.readback is not None else []
+        now = time.monotonic()
+        sampled = forward.sampled
+        tokens: list[int] = host.pop(0).tolist() if sampled else []
+        logprobs: list[TokenLogprob | None] = [None] * len(sampled)
+        if forward.logprob_counts:
+            entries = iter(logprob_entries(LogprobTensors(*host[:_LOGPROB_PARTS]), forward.logprob_counts))
+            del host[:_LOGPROB_PARTS]
+            for i, member in enumerate(sampled):
+                if member.params.logprobs is not None:
+                    logprobs[i] = next(entries)
+        if forward.scored:
+            scores = logprob_entries(LogprobTensors(*host[:_LOGPROB_PARTS]), forward.score_counts)
+            for owner, entry in zip(forward.scored, scores, strict=True):
+                owner.prompt_logprobs.append(entry)  # type: ignore[union-attr]
+        outputs: list[RequestOutput] = []
+        for request in forward.finishing:
+            if request.status is not Status.FINISHED:
+                outputs.append(self._finish(request, FinishReason.LENGTH, [], now=now))
+        for member, token, logprob in zip(sampled, tokens, logprobs, strict=True):
+            member.pending -= 1
+            if member.status is Status.FINISHED:
+                continue
+            outputs.append(self._accept(member, token, now, logprob))
+        return outputs
 
     def _accept(
         self, request: Request, token: int, now: float, logprob: TokenLogprob | None
@@ -469,7 +701,7 @@ class Engine:
                 now=now,
                 prompt_logprobs=prompt_logprobs,
             )
-        if len(request.output) >= params.max_tokens or request.num_tokens >= self.model_config.max_seq_len:
+        if len(request.output) >= params.max_tokens or request.num_known >= self.model_config.max_seq_len:
             return self._finish(
                 request,
                 FinishReason.LENGTH,
@@ -554,6 +786,7 @@ class Engine:
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, per_request, strict=True)]
         while any(r.status is not Status.FINISHED for r in requests):
             self.step()
+        self.drain()
         return [list(r.output) for r in requests]
 
     def stats(self) -> dict[str, Any]:

@@ -128,8 +128,10 @@ def _real(value: object) -> bool:
 
 @dataclass
 class Request:
-    """One request's state. ``tokens`` (prompt + output) is every token known; the first
-    ``num_computed`` of them have keys and values in the cache. ``num_tokens - num_computed`` is what the
+    """One request's state. Its tokens are the prompt, the output known on the host, then ``pending``
+    tokens sampled by steps the device may still be running (the overlapped scheduler issues step N+1
+    before it reads step N's tokens: they exist only in the device's token slots until then). The first
+    ``num_computed`` tokens have keys and values in the cache. ``num_tokens - num_computed`` is what the
     next step must compute: 1 while decoding, more while (re)filling the prompt."""
 
     request_id: str
@@ -157,6 +159,11 @@ class Request:
     copies: list[Request] = field(default_factory=list)
     #: The prompt's log probabilities computed so far (``None`` for the first token), when asked for.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: Tokens sampled on the device whose values the host has not read yet (0 or 1 between steps).
+    pending: int = 0
+    #: Prompt positions whose log probability a step issued so far computes (the list above lags it by
+    #: the steps still on the device); a recomputed prompt is not scored again.
+    prompt_scored: int = 0
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids)
@@ -168,15 +175,28 @@ class Request:
             self.rng = random.Random(seed + self.index)
         if self.params.prompt_logprobs is not None and self.index == 0:
             self.prompt_logprobs = [None]
+            self.prompt_scored = 1
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         """Whether some prompt token's log probability is still to be computed."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
+        return self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host knows: the prompt and the output read back so far."""
+        return len(self.prompt) + len(self.output)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.output) + self.pending
+
+    @property
+    def sampled_enough(self) -> bool:
+        """Whether the steps issued so far sample every token ``max_tokens`` allows: the request needs no
+        step more, and finishes once the host reads them (known before they are read, so an overlapped
+        scheduler never gives it a step whose token would be dropped)."""
+        return len(self.output) + self.pending >= self.params.max_tokens
 
     @property
     def remaining(self) -> int:
@@ -184,10 +204,12 @@ class Request:
         return self.num_tokens - self.num_computed
 
     def token_at(self, position: int) -> int:
+        """The id of a known token (``position < num_known``)."""
         n = len(self.prompt)
         return self.prompt[position] if position < n else self.output[position - n]
 
     def tokens_from(self, start: int, count: int) -> list[int]:
+        """The ids of known tokens ``start .. start + count - 1`` (all below ``num_known``)."""
         n = len(self.prompt)
         if start >= n:
             return self.output[start - n : start - n + count]

@@ -2,7 +2,9 @@
 sampling; and the log probabilities a request asks for.
 
 Greedy is ``argmax`` (the lowest id among equal maxima). Sampling draws one uniform number per token
-from the request's own ``random.Random(seed)`` on the host, then inverts the cumulative distribution of
+from the request's own ``random.Random(seed)`` on the host when the step is issued
+(:meth:`Sampler.plan`: the k-th token of a request always takes its k-th number, whichever scheduler runs
+it), then inverts the cumulative distribution of
 the kept set on the device: tokens sorted by probability (a stable sort, so ties keep id order), the
 first ``top_k`` of them (all when 0) and of those the smallest prefix whose mass reaches ``top_p`` kept,
 and the first token whose cumulative mass exceeds ``u * kept_mass`` chosen. Nothing depends on other
@@ -23,26 +25,97 @@ its row masked first, in :func:`_constrain`, after the graph (so the graphs keep
 grammar forbids get ``-inf``, for sampling and log probabilities alike (as vLLM does), and are no
 alternatives. The masks are computed on the host while the device still runs the step's forward: the
 logits are not read before the masks are applied.
+
+A step's sampling is in two halves, so the device never waits for the host: :meth:`Sampler.plan` (host,
+when the step is issued: which rows sample, their parameters and uniform numbers, which want log
+probabilities: small arrays that travel with the step's inputs) and :func:`sample_on_device` (device,
+right after the forward: tokens and log-probability tensors, nothing read back). The engine copies those
+to the host without blocking and :func:`logprob_entries` turns them into :class:`TokenLogprob` once read.
+:meth:`Sampler.sample_step` does both halves and reads the result at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from devgraph.serve.engine.grammar import GrammarState, LogitsMasker
 from devgraph.serve.engine.request import Request, TokenLogprob
 
-__all__ = ["Sampler"]
+__all__ = [
+    "LogprobTensors",
+    "Sampler",
+    "SamplingPlan",
+    "logprob_entries",
+    "logprob_tensors",
+    "sample_on_device",
+]
 
-#: Rows scored at a time by :meth:`Sampler.token_logprobs` (128 x 152k float32 is 78 MB).
-_SCORE_CHUNK = 128
+#: The arrays a :class:`SamplingPlan` hands the device (names as they travel in the step's message).
+SAMPLING_ARRAYS = ("random_rows", "temperature", "top_p", "top_k", "uniform", "logprob_rows")
+
+
+@dataclass
+class SamplingPlan:
+    """One forward's sampling as the host decides it when the step is issued: row ``r`` of the sampled
+    logits belongs to ``requests[r]``. ``arrays`` (host tensors, named as in :data:`SAMPLING_ARRAYS`):
+    the rows that sample rather than take the greedy token, with their temperature, top-p, top-k and
+    uniform number, and the rows that want log probabilities (``logprob_counts``: how many alternatives
+    each)."""
+
+    requests: list[Request]
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    logprob_counts: list[int] = field(default_factory=list)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a row has a grammar (its mask needs the grammar's state after the previous token)."""
+        return any(r.grammar is not None for r in self.requests)
+
+
+@dataclass
+class LogprobTensors:
+    """Log probabilities of ``tokens`` under ``log_softmax`` of float32 logits, per row: the token's
+    (``chosen``), its rank, and the ``top`` most likely (values and ids); device or host tensors."""
+
+    tokens: torch.Tensor
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.tokens, self.chosen, self.ranks, self.top_values, self.top_ids)
 
 
 class Sampler:
-    """Samples one token per logits row; one device-to-host copy per call (two with logprobs)."""
+    """Samples one token per logits row (see the module docstring)."""
+
+    def plan(self, requests: Sequence[Request]) -> SamplingPlan:
+        """The host half: draws each sampling row's uniform number from its request's generator now."""
+        plan = SamplingPlan(list(requests))
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if sampled:
+            params = [requests[i].params for i in sampled]
+            plan.arrays = {
+                "random_rows": torch.tensor(sampled, dtype=torch.int64),
+                "temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                # 0 (every token) travels as 0; the device reads it as the vocabulary's size.
+                "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                "uniform": torch.tensor(
+                    [requests[i].rng.random() for i in sampled],  # type: ignore[union-attr]
+                    dtype=torch.float32,
+                ),
+            }
+        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if wanted:
+            plan.arrays["logprob_rows"] = torch.tensor(wanted, dtype=torch.int64)
+            plan.logprob_counts = [requests[i].params.logprobs or 0 for i in wanted]
+        return plan
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """``logits [R, V]`` (any float dtype), ``requests[r]`` owns row ``r``."""
@@ -51,98 +124,100 @@ class Sampler:
     def sample_step(
         self, logits: torch.Tensor, requests: Sequence[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Each row's token and, for requests with ``logprobs`` set, its log probabilities."""
-        logits = _constrain(logits, requests)
-        tokens = self._tokens(logits, requests)
-        wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        host = [int(t) for t in tokens.tolist()]
+        """Each row's token and, for requests with ``logprobs`` set, its log probabilities, read at once."""
+        plan = self.plan(requests)
+        arrays = {name: t.to(logits.device) for name, t in plan.arrays.items()}
+        tokens, scored = sample_on_device(logits, plan, arrays)
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
-        if wanted:
-            rows = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
-            counts = [requests[i].params.logprobs or 0 for i in wanted]
-            entries = self.token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows), counts)
-            for i, entry in zip(wanted, entries, strict=True):
+        if scored is not None:
+            rows = plan.arrays["logprob_rows"].tolist()
+            host = LogprobTensors(*(t.cpu() for t in scored.tensors()))
+            for i, entry in zip(rows, logprob_entries(host, plan.logprob_counts), strict=True):
                 logprobs[i] = entry
-        return host, logprobs
+        return [int(t) for t in tokens.tolist()], logprobs
 
     @staticmethod
     def token_logprobs(
         logits: torch.Tensor, tokens: torch.Tensor, counts: Sequence[int]
     ) -> list[TokenLogprob]:
         """Row ``r``'s log probability of ``tokens[r]`` and its ``counts[r]`` most likely tokens, under
-        ``log_softmax`` of the float32 logits (sampled tokens, and a prompt's tokens); one host copy.
+        ``log_softmax`` of the float32 logits, read at once."""
+        scored = logprob_tensors(logits, tokens, max(counts, default=0))
+        return logprob_entries(LogprobTensors(*(t.cpu() for t in scored.tensors())), counts)
 
-        A prompt's rows come by the hundred over a vocabulary of 150k: the rows go in chunks (a chunk's
-        float32 copy fits the device's cache), and only the log-sum-exp is computed in float32 per chunk;
-        the chosen token's rank and the top tokens come from the logits themselves (log_softmax keeps their
-        order), so no float32 copy of the whole block is ever made.
-        """
-        if logits.shape[0] == 0:
-            return []
-        tokens = tokens.long()
-        most = min(max(max(counts, default=0), 1), logits.shape[-1])
-        chosen_parts, rank_parts, value_parts, id_parts = [], [], [], []
-        for start in range(0, logits.shape[0], _SCORE_CHUNK):
-            block = logits[start : start + _SCORE_CHUNK]
-            picked = tokens[start : start + _SCORE_CHUNK]
-            wide = block.float()
-            lse = torch.logsumexp(wide, dim=-1, keepdim=True)
-            chosen = wide.gather(1, picked[:, None])
-            rank_parts.append((wide > chosen).sum(dim=-1) + 1)
-            top_values, top_ids = wide.topk(most, dim=-1)
-            chosen_parts.append((chosen - lse)[:, 0])
-            value_parts.append(top_values - lse)
-            id_parts.append(top_ids)
-        # One device-to-host copy for everything (the ids ride as floats: exact below 2**24).
-        packed = torch.cat(
-            [
-                torch.cat(chosen_parts)[:, None],
-                torch.cat(rank_parts)[:, None].float(),
-                torch.cat(value_parts),
-                torch.cat(id_parts).float(),
-            ],
-            dim=1,
-        ).tolist()
-        picked_ids = tokens.tolist()
-        entries = []
-        for r, count in enumerate(counts):
-            row = packed[r]
-            values, ids = row[2 : 2 + most], row[2 + most :]
-            entries.append(
-                TokenLogprob(
-                    int(picked_ids[r]),
-                    float(row[0]),
-                    # A grammar's forbidden tokens (-inf) are no alternatives: fewer where it allows fewer.
-                    tuple(
-                        (int(t), v)
-                        for t, v in zip(ids[:count], values[:count], strict=True)
-                        if v != -math.inf
-                    ),
-                    int(row[1]),
-                )
-            )
-        return entries
 
-    def _tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if not sampled:
-            return greedy
-        device = logits.device
-        rows = torch.tensor(sampled, dtype=torch.int64, device=device)
-        params = [requests[i].params for i in sampled]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k or vocab for p in params], dtype=torch.int64, device=device)
-        uniform = torch.tensor(
-            [requests[i].rng.random() for i in sampled],  # type: ignore[union-attr]
-            dtype=torch.float32,
-            device=device,
+def sample_on_device(
+    logits: torch.Tensor, plan: SamplingPlan, arrays: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, LogprobTensors | None]:
+    """The device half: ``logits [R, V]`` (row ``r``: ``plan.requests[r]``), ``arrays`` the plan's arrays
+    on the logits' device -> the tokens ``[R]`` (int64) and the log-probability tensors of the rows that
+    want them; nothing is read back (a grammar's mask is computed on the host, from its current state)."""
+    logits = _constrain(logits, plan.requests)
+    tokens = logits.argmax(dim=-1)
+    rows = arrays.get("random_rows")
+    if rows is not None:
+        top_k = arrays["top_k"]
+        top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
+        chosen = logits.index_select(0, rows).float()
+        picked = _sample(chosen, arrays["temperature"], arrays["top_p"], top_k, arrays["uniform"])
+        picked = torch.where(picked >= 0, picked, tokens.index_select(0, rows))
+        tokens = tokens.index_copy(0, rows, picked)
+    wanted = arrays.get("logprob_rows")
+    if wanted is None:
+        return tokens, None
+    return tokens, logprob_tensors(
+        logits.index_select(0, wanted), tokens.index_select(0, wanted), max(plan.logprob_counts, default=0)
+    )
+
+
+#: Rows scored at a time by :func:`logprob_tensors` (128 x 152k float32 is 78 MB).
+_SCORE_CHUNK = 128
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, most: int) -> LogprobTensors:
+    """Row ``r``'s log probability of ``tokens[r]``, its rank and the ``most`` most likely tokens (at least
+    one), under ``log_softmax`` of the float32 logits; on the logits' device, nothing read back.
+
+    A prompt's rows come by the hundred over a vocabulary of 150k: the rows go in chunks (a chunk's
+    float32 copy stays small), and only the log-sum-exp is subtracted afterwards; the rank and the top
+    tokens come from the float32 logits themselves (log_softmax keeps their order), so no float32 copy of
+    the whole block is ever made.
+    """
+    tokens = tokens.long()
+    most = min(max(most, 1), logits.shape[-1])
+    if logits.shape[0] <= _SCORE_CHUNK:  # a step's sampled rows: one chunk
+        return _logprob_chunk(logits, tokens, most)
+    parts = [
+        _logprob_chunk(logits[start : start + _SCORE_CHUNK], tokens[start : start + _SCORE_CHUNK], most)
+        for start in range(0, logits.shape[0], _SCORE_CHUNK)
+    ]
+    return LogprobTensors(*(torch.cat(column) for column in zip(*(p.tensors() for p in parts), strict=True)))
+
+
+def _logprob_chunk(logits: torch.Tensor, tokens: torch.Tensor, most: int) -> LogprobTensors:
+    wide = logits.float()
+    lse = torch.logsumexp(wide, dim=-1, keepdim=True)
+    chosen = wide.gather(1, tokens[:, None])
+    ranks = (wide > chosen).sum(dim=-1) + 1
+    top_values, top_ids = wide.topk(most, dim=-1)
+    return LogprobTensors(tokens, (chosen - lse)[:, 0], ranks, top_values - lse, top_ids)
+
+
+def logprob_entries(host: LogprobTensors, counts: Sequence[int]) -> list[TokenLogprob]:
+    """:class:`TokenLogprob` per row from host tensors, row ``r`` with ``counts[r]`` alternatives."""
+    picked, scores, places, values, ids = (
+        t.tolist() for t in (host.tokens, host.chosen, host.ranks, host.top_values, host.top_ids)
+    )
+    return [
+        TokenLogprob(
+            int(picked[r]),
+            float(scores[r]),
+            # A grammar's forbidden tokens (-inf) are no alternatives: fewer where it allows fewer.
+            tuple((t, v) for t, v in zip(ids[r][:count], values[r][:count], strict=True) if v != -math.inf),
+            int(places[r]),
         )
-        picked = _sample(logits.index_select(0, rows).float(), temperature, top_p, top_k, uniform)
-        picked = torch.where(picked >= 0, picked, greedy.index_select(0, rows))
-        return greedy.index_copy(0, rows, picked)
+        for r, count in enumerate(counts)
+    ]
 
 
 def _constrain(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -19,6 +19,15 @@ pairs, which the engine copies on the device before the step's forward.
 
 In ``mixed`` mode decode tokens count against the token budget (they share one forward with the
 chunks); otherwise decodes run in a step of their own and the budget applies to chunks only.
+
+Under the overlapped scheduler (see :mod:`~devgraph.serve.engine.engine`) a step is scheduled while the
+previous one still runs: a decoding request's next input token is then *pending* (sampled on the device,
+not read yet), which the step takes from the device's token slots. Three rules keep that exact: a request
+whose issued steps already sample every token ``max_tokens`` allows gets no further step (it finishes
+when they are read); a request that has pending tokens is not admitted from the queue (a preempted one
+recomputes from token ids the host must know: it waits one step); and the last-resort preemption of a
+mid-prompt request happens only when every running request is mid-prompt (one whose step is still to be
+read frees its blocks once read).
 """
 
 from __future__ import annotations
@@ -164,7 +173,7 @@ class Scheduler:
     def schedule(self) -> Schedule:
         schedule = Schedule()
         budget = self.token_budget
-        for request in [r for r in self.running if r.remaining == 1]:
+        for request in [r for r in self.running if r.remaining == 1 and not r.sampled_enough]:
             if request.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             while not self._grow(request, request.num_tokens, schedule):
@@ -180,6 +189,8 @@ class Scheduler:
                 budget -= self._add_chunk(request, budget, schedule)
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.pending:  # preempted while its last token was on the device: admit it once read
+                break
             if len(self.running) + 1 + len(request.copies) > self.max_running:
                 break
             if self.allocator.num_free < 1:
@@ -198,8 +209,9 @@ class Scheduler:
                 self.waiting.appendleft(request)
                 break
             budget -= taken
-        if schedule.empty and self.running:
-            # Every running request is mid-prompt and no block is free: recompute the newest later.
+        if schedule.empty and self.running and all(r.remaining > 1 for r in self.running):
+            # Every running request is mid-prompt and no block is free: recompute the newest later. (A
+            # request whose last step is still to be read frees its blocks once read: no preemption.)
             self._preempt(self.running[-1], schedule)
             return self._merge(schedule, self.schedule())
         return schedule

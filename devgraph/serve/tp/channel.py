@@ -1,7 +1,7 @@
 """Rank 0 -> the other ranks: each step's batch, then the stop, through a shared-memory ring.
 
 Rank 0 builds the channel (:class:`StepChannel`) before it spawns the workers; each worker maps it first
-thing (:class:`WorkerChannel`). A step is encoded once (:mod:`~devgraph.serve.tp.wire`), copied
+thing (:class:`WorkerChannel`). A step is encoded once (:mod:`~devgraph.serve.engine.wire`), copied
 into the ring (:mod:`~devgraph.serve.tp.ring`) and read by every worker; nothing comes back.
 
 A lost rank, both ways, within the rank timeout (``DEVGRAPH_RANK_TIMEOUT_S``, default 60 s) or sooner:
@@ -27,8 +27,8 @@ import torch
 
 from devgraph import DevGraphError
 from devgraph.ranks.group import RANK_TIMEOUT_ENV, rank_timeout_s
+from devgraph.serve.engine.wire import StepMessage, decode_step, stop_message
 from devgraph.serve.tp.ring import RingReader, RingWriter
-from devgraph.serve.tp.wire import StepMessage, decode_step, stop_message
 
 __all__ = ["RankLost", "StepChannel", "WorkerChannel"]
 
@@ -134,7 +134,7 @@ class WorkerChannel:
         self.pin = pin
 
     def receive(self) -> StepMessage:
-        """The next message (:data:`~devgraph.serve.tp.wire.STOP` as its kind ends the worker)."""
+        """The next message (:data:`~devgraph.serve.engine.wire.STOP` as its kind ends the worker)."""
         buffer = self.ring.read(self._allocate, self._check)
         return decode_step(buffer)
 

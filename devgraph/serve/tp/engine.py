@@ -1,16 +1,16 @@
-"""Rank 0's engine under tensor parallelism: every forward hands its batch to the other ranks first.
+"""Rank 0's engine under tensor parallelism: every step's message goes to the other ranks first.
 
-The engine builds each step's inputs on the host (``batch_device`` is the CPU); the forward encodes them
-once (:func:`~devgraph.serve.tp.wire.encode_step`), puts the bytes in the step ring, and only then moves
-them to its own device, the same way every worker does with the same bytes: one copy of the payload from
-pinned memory, each input a view of it. So rank 0 pays one encode and one copy per step where the
-single-device engine pays one synchronous copy per input.
+Every engine packs a step into one message on the host (:mod:`~devgraph.serve.engine.wire`); rank 0 puts
+those same bytes in the step ring before it moves them to its own device, and every worker turns them
+into the same inputs (:mod:`~devgraph.serve.tp.worker`). The overlapped scheduler works here as on one
+device: rank 0 issues step N+1 while the ranks run step N; the ids of the tokens step N sampled are on rank
+0's device only, so the step broadcasts them to the workers on the device (one small collective in the
+step, see :mod:`~devgraph.serve.engine.device_step`): no rank's host waits for another's beyond the step's
+collectives, and rank 0 never waits for a worker to read a step (the ring holds several).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +18,11 @@ import torch
 
 from devgraph.messages import describe_error
 from devgraph.ranks.group import RANK_TIMEOUT_ENV
-from devgraph.serve.engine.batch import StepBatch
-from devgraph.serve.engine.engine import Engine, StepResult
+from devgraph.reference.inputs import StepContext
+from devgraph.serve.engine.device_step import StepResult
+from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.wire import StepMessage
 from devgraph.serve.tp.channel import RankLost, StepChannel
-from devgraph.serve.tp.wire import encode_step
 
 __all__ = ["TPEngine"]
 
@@ -36,36 +37,18 @@ class TPEngine(Engine):
     ) -> None:
         self.channel = channel
         self.on_failure = on_failure
-        self._steps = itertools.count()
         super().__init__(*args, **kwargs)
-        self.batch_device = torch.device("cpu")  # the forward moves the encoded step to the device
-        self._pin = self.model.device.type == "cuda"
 
-    def forward(self, kind: str, batch: StepBatch) -> StepResult:
+    def launch(
+        self, kind: str, message: StepMessage, arrays: dict[str, torch.Tensor], context: StepContext
+    ) -> StepResult:
         try:
-            message = encode_step(
-                kind,
-                batch.inputs,
-                batch.context,
-                step=next(self._steps),
-                columns=self._columns(batch),
-                pin=self._pin,
-            )
             self.channel.send(message)
-            on_device = dataclasses.replace(batch, inputs=message.inputs(self.model.device))
-            return super().forward(kind, on_device)
+            return super().launch(kind, message, arrays, context)
         except Exception as exc:
             note = "" if isinstance(exc, RankLost) else self._timeout_note()
             self.on_failure(f"a {kind} step failed on rank 0: {describe_error(exc)}{note}")
             raise
-
-    def _columns(self, batch: StepBatch) -> dict[str, int]:
-        """The block-table columns the step reads: those of its longest request (the rest go as zeros)."""
-        lengths = batch.context.seq_lens
-        if not lengths:
-            return {}
-        block_size = self.model_config.block_size
-        return {"block_tables": -(-max(lengths) // block_size)}
 
     def _timeout_note(self) -> str:
         return f" (a rank exited or did not answer within {RANK_TIMEOUT_ENV}={self.channel.timeout_s:g} s)"

@@ -2,9 +2,11 @@
 
 The worker maps rank 0's step ring first thing, then builds the engine with the same flags, so its
 runners capture the same graphs in lock-step with rank 0 (the runners' capture handshake). Then it loops:
-a step message becomes the same forward on this rank's shard; the stop message, or rank 0 gone
-(:class:`RankLost`), ends it. SIGINT is ignored: a terminal's Ctrl-C reaches every process of the group,
-and rank 0 stops the workers.
+a step message becomes the same device work on this rank's shard as on rank 0
+(:class:`~devgraph.serve.engine.device_step.DeviceStep`: copy-on-write blocks, the step's pending ids
+received from rank 0 on the device, the forward); it samples nothing (rank 0 does). The stop message,
+or rank 0 gone (:class:`RankLost`), ends it. SIGINT is ignored: a terminal's Ctrl-C reaches every
+process of the group, and rank 0 stops the workers.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from devgraph.serve.engine.batch import StepBatch
 from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.wire import STOP
 from devgraph.serve.tp.channel import RankLost, WorkerChannel
-from devgraph.serve.tp.wire import STOP
 
 __all__ = ["serve_steps", "worker_main"]
 
@@ -38,9 +39,8 @@ def serve_steps(engine: Engine, channel: WorkerChannel) -> int:
             return 1
         if message.kind == STOP:
             return 0
-        batch = StepBatch(message.inputs(device), message.context(), [], [], [])
         try:
-            engine.forward(message.kind, batch)
+            engine.device_step.forward(message.kind, message.inputs(device), message.context())
         except Exception:
             logger.exception("a %s step failed on this rank; this worker exits", message.kind)
             return 1

@@ -1,8 +1,10 @@
-"""A tensor-parallel step as bytes: a fixed binary layout of integer arrays, no pickle.
+"""A step as bytes: a fixed binary layout of integer (and float) arrays, no pickle.
 
-Rank 0 encodes each step once (:func:`encode_step`) into one buffer, which goes into the step ring as it
-is; every rank, rank 0 included, then turns the same bytes into its inputs (:meth:`StepMessage.inputs`),
-so all ranks replay identical inputs by construction. Layout::
+The engine encodes each step once (:func:`encode_step`) into one buffer, pinned on a GPU, which crosses to
+the device in one non-blocking copy (:meth:`StepMessage.inputs`: each input a view of it), so staging a
+step never makes the host wait for the device. Under tensor parallelism the same buffer goes into the step
+ring as it is; every rank, rank 0 included, turns the same bytes into its inputs, so all ranks replay
+identical inputs by construction. Layout::
 
     header       "<4sHH16sQ"       magic b"DGTS", format version, array count, the step's kind (ASCII),
                                    step number

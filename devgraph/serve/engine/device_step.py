@@ -1,0 +1,116 @@
+"""The part of a step every rank runs on its device, from the step's message.
+
+A step crosses to the device as one message (:mod:`~devgraph.serve.engine.wire`: one buffer, one
+non-blocking copy from pinned memory): the forward's inputs, the step's host lengths and the few arrays
+of the work around the forward, named in :data:`STEP_ARRAYS`. :meth:`DeviceStep.forward`:
+
+1. copies the KV blocks the scheduler gave private copies of (``copy_from`` -> ``copy_to``,
+   copy-on-write of blocks ``n > 1`` copies share);
+2. takes the ids of pending tokens from the token slots (``id_slots``: a token the previous step sampled,
+   which the host has not read yet). Under tensor parallelism rank 0 holds the slots and broadcasts the
+   step's ids to the other ranks: one small collective, queued on the device like the forward's own, so
+   no rank's host waits for it;
+3. runs the forward through the decode or the prefill runner.
+
+Rank 0's engine then samples on the device and writes each sampled token into its request's slot
+(:meth:`TokenSlots.write`), where the next step's ids come from: the host reads the tokens a step later.
+Everything is issued on one stream, in step order: a KV block or a slot that the host hands to another
+request after step N was issued is written by later work only, which the device runs after step N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from devgraph import GraphRunner
+from devgraph.reference.inputs import StepContext
+from devgraph.reference.model import ReferenceModel
+
+__all__ = ["STEP_ARRAYS", "DeviceStep", "StepResult", "TokenSlots"]
+
+#: What a step's forward returns: the sampled rows' logits, and (prefill) every token's hidden state.
+StepResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+#: Arrays a step's message carries besides the forward's inputs (and the sampler's arrays, rank 0 only):
+#: copy-on-write blocks, where pending ids come from, the logits rows sampled (a row of a request whose
+#: ``n`` copies fork repeats) and the slot each sampled token goes to, and the rows and targets of prompt
+#: tokens scored for their log probabilities.
+STEP_ARRAYS = (
+    "copy_from",
+    "copy_to",
+    "id_slots",
+    "sample_rows",
+    "sample_slots",
+    "score_rows",
+    "score_targets",
+)
+
+
+class TokenSlots:
+    """The last token sampled for each running request, on the device, at the request's block-table row
+    (a running request holds its row for as long as it runs, and no two running requests share one)."""
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(count, dtype=torch.int64, device=device)
+
+    def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.tokens.index_copy_(0, slots, tokens)
+
+    def ids(self, input_ids: torch.Tensor, id_slots: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` with each token whose ``id_slots`` entry is a slot (not -1) taken from it."""
+        pending = self.tokens.index_select(0, id_slots.clamp(min=0))
+        return torch.where(id_slots >= 0, pending, input_ids)
+
+
+class DeviceStep:
+    """A step's device work up to the logits (see the module docstring), on every rank alike.
+
+    ``group``: the tensor-parallel process group (``None`` on one device); ``slots``: how many token
+    slots (the running requests' block-table rows)."""
+
+    def __init__(
+        self,
+        model: ReferenceModel,
+        decode_runner: GraphRunner,
+        prefill_runner: GraphRunner,
+        *,
+        slots: int,
+        group: Any = None,
+    ) -> None:
+        self.model = model
+        self.decode_runner = decode_runner
+        self.prefill_runner = prefill_runner
+        self.slots = TokenSlots(slots, model.device)
+        self.group = group if group is not None and torch.distributed.get_world_size(group) > 1 else None
+        self.source = 0 if self.group is None else torch.distributed.get_global_rank(self.group, 0)
+        self.leader = self.group is None or torch.distributed.get_rank(self.group) == 0
+
+    def runner(self, kind: str) -> GraphRunner:
+        return self.decode_runner if kind == "decode" else self.prefill_runner
+
+    def forward(self, kind: str, arrays: Mapping[str, torch.Tensor], context: StepContext) -> StepResult:
+        """``arrays``: the message's tensors on the device (the forward's inputs and :data:`STEP_ARRAYS`)."""
+        runner = self.runner(kind)
+        inputs: dict[str, Any] = {name: arrays[name] for name in runner.input_specs}
+        copy_from = arrays.get("copy_from")
+        if copy_from is not None:
+            self.copy_blocks(copy_from, arrays["copy_to"])
+        id_slots = arrays.get("id_slots")
+        if id_slots is not None:
+            inputs["input_ids"] = self._ids(inputs["input_ids"], id_slots)
+        return runner.run(context=context, **inputs)  # type: ignore[no-any-return]
+
+    def copy_blocks(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Copy-on-write: fill the private copies the scheduler gave requests of shared KV blocks."""
+        with torch.no_grad():
+            for cache in (*self.model.k_cache, *self.model.v_cache):
+                cache.index_copy_(0, targets, cache.index_select(0, sources))
+
+    def _ids(self, input_ids: torch.Tensor, id_slots: torch.Tensor) -> torch.Tensor:
+        ids = self.slots.ids(input_ids, id_slots) if self.leader else input_ids.clone()
+        if self.group is not None:  # rank 0 holds the slots: every rank gets the step's ids from it
+            torch.distributed.broadcast(ids, src=self.source, group=self.group)
+        return ids
