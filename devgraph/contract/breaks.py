@@ -142,6 +142,7 @@ class DefaultFake:
         self.results = results
         self.used = False
         self.retired = False
+        self.last_trace = 0  # the trace count (fake_trace_mark) when torch.compile last traced with it
 
     def _first_tensor(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         for value in (*args, *kwargs.values()):
@@ -153,7 +154,10 @@ class DefaultFake:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        global _fake_traces
         self.used = True
+        _fake_traces += 1
+        self.last_trace = _fake_traces
         if not self.results:
             return None
         if any(t != "Tensor" for t in self.results):
@@ -259,13 +263,23 @@ def break_op_for(target: Any) -> BreakOp | None:
     return _break_ops.get(target)
 
 
-def traced_with_default_fake() -> list[str]:
+#: How many times torch.compile has traced a break op through its default fake, in this process.
+_fake_traces = 0
+
+
+def fake_trace_mark() -> int:
+    """A mark to pass to :func:`traced_with_default_fake` for the default fakes traced after it."""
+    return _fake_traces
+
+
+def traced_with_default_fake(since: int = 0) -> list[str]:
     """The names of the break ops ``torch.compile`` has traced with their default fake (no ``fake=``
-    given), for advice when a compile fails on shapes."""
+    given) after the mark ``since`` (:func:`fake_trace_mark`), for advice when a compile fails on shapes:
+    an op another compile traced is no cause of this one's failure."""
     return sorted(
         op.default_fake.qualname
         for op in _break_ops.values()
-        if op.default_fake is not None and op.default_fake.used
+        if op.default_fake is not None and op.default_fake.used and op.default_fake.last_trace > since
     )
 
 

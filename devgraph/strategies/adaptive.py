@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.breaks import running_compiled, traced_with_default_fake
+from devgraph.contract.breaks import fake_trace_mark, running_compiled, traced_with_default_fake
 from devgraph.errors import CaptureError, DevGraphError, RecompileError
 from devgraph.strategies.precompile import Precompiled, aot_compile
 from devgraph.strategies.startup import StartupClock
@@ -253,13 +253,16 @@ class AdaptiveCompile:
             )
         compiled = torch.compile(trampoline(self.fn), backend=self.backend, dynamic=False, fullgraph=True)
         start = time.perf_counter()
+        mark = fake_trace_mark()  # the break ops this compile traces with a default fake, not earlier ones
         try:
             result = self._run(compiled, args, kwargs, dynamic=False)
         except Exception as exc:
             kind = compile_error_kind(exc)
             if kind is None:
                 raise
-            raise StaticCompileError(self.what, self.fallback_kind, self.fallback_cause, kind, exc) from exc
+            raise StaticCompileError(
+                self.what, self.fallback_kind, self.fallback_cause, kind, exc, since=mark
+            ) from exc
         self.fallback_seconds += time.perf_counter() - start
         self._static[signature] = compiled
         return result
@@ -376,13 +379,20 @@ class StaticCompileError(CaptureError):
     """Both the dynamic compile and a static compile of one size failed."""
 
     def __init__(
-        self, what: str, dynamic_kind: str | None, dynamic_cause: str | None, kind: str, exc: BaseException
+        self,
+        what: str,
+        dynamic_kind: str | None,
+        dynamic_cause: str | None,
+        kind: str,
+        exc: BaseException,
+        *,
+        since: int = 0,
     ) -> None:
         self.kind = kind
         # An error of devgraph's own raised while tracing (a break op's fake, say) already says what to do.
         own = [e for e in _chain(exc) if isinstance(e, DevGraphError) and not isinstance(e, CaptureError)]
         self.advice = str(own[-1]) if own else _ADVICE[kind]
-        guessed = traced_with_default_fake() if not own and kind in _SHAPE_KINDS else []
+        guessed = traced_with_default_fake(since) if not own and kind in _SHAPE_KINDS else []
         if guessed:
             # A result shaped otherwise than the default fake's guess fails the trace of the code after the
             # op, far from the op: name it, and the fix.
