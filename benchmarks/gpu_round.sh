@@ -54,10 +54,11 @@ run_step() {  # run_step NAME: one step, its limit, its command
     startup) limit=200 cmd="$PY benchmarks/bench_startup_compile.py --out $R/startup.json --time-budget 170" ;;
     zoo_plain) limit=200 cmd="$PY benchmarks/bench_zoo.py --models plain --layers 8 --time-budget 170 --out $R/zoo-plain.json" ;;
     zoo_gptfast) limit=200 cmd="$PY benchmarks/bench_zoo.py --models gptfast --layers 8 --time-budget 170 --out $R/zoo-gptfast.json" ;;
+    zoo_all) limit=270 cmd="$PY benchmarks/bench_zoo.py --layers 4 --batches 1,32 --time-budget 250 --out $R/zoo-all.json" ;;
     tp_channel) limit=90 cmd="$PY benchmarks/bench_tp_channel.py --device cuda --out $R/tp-channel.json" ;;
     dp_agree) limit=60 cmd="$PY benchmarks/bench_dp_agree.py --device cuda --iters 2000 --out $R/dp-agree.json" ;;
     serve_tp) limit=420 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 400" ;;
-    serve_overlap) limit=200 cmd="$PY benchmarks/bench_serve.py --schedulers serial,overlap --out $R/serve-overlap.json" ;;
+    serve_overlap) limit=200 cmd="$PY benchmarks/bench_serve_overlap.py --gpu --out $R" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)
