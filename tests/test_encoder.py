@@ -190,6 +190,17 @@ def test_every_split_of_a_bucket_replays_one_graph_exactly(mode: str, attention:
         assert [str(k) for k in runner.keys] == [key]
 
 
+def test_tc_piecewise_compiles_around_the_sdpa_image_attention() -> None:
+    """torch.compile traces the sdpa break op through its shape function, which takes the op's arguments
+    (a copy of the signature once missed ``windowed``: the encoder with sdpa attention did not compile)."""
+    model = tiny_encoder("sdpa", window_size=2, full_attention_blocks=(0,))
+    with encoder_runner(model, mode="tc_piecewise", sizes=[128]) as runner:
+        runner.capture()
+        for seed, grids in enumerate([SPLITS_128[1], SPLITS_100[2]]):
+            check_step(runner, model, grids, seed)
+        assert runner.inspect()["recompiles"] == 0
+
+
 @pytest.mark.parametrize(("mode", "attention"), MODES)
 def test_verify_agrees_for_a_padded_windowed_split(mode: str, attention: str) -> None:
     model = tiny_encoder(attention, window_size=2, full_attention_blocks=(1,))
