@@ -42,7 +42,7 @@ from devgraph.reference import (
     verify_runner,
 )
 from devgraph.reference.kernels import available_backends
-from devgraph.strategies.plan import BreakCall, SegmentedPlan
+from devgraph.strategies.segments import BreakCall, SegmentedPlan
 
 pytestmark = pytest.mark.cuda
 

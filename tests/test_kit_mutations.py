@@ -24,7 +24,7 @@ from devgraph.contract.context import capture_flag, forward_context, get_forward
 from devgraph.contract.keys import Batch, GraphKey
 from devgraph.registry.plugins import Registry
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
-from devgraph.strategies.plan import BreakCall
+from devgraph.strategies.segments import BreakCall
 from devgraph.testing import check_names, run_check, run_conformance
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "conformance.md"

@@ -121,13 +121,13 @@ def test_a_new_root_module_importing_the_cli_fails(tree):
             id="import_module-of-serve-inside-contract",
         ),
         pytest.param(
-            "devgraph/runner/capture/pool.py",
+            "devgraph/runner/capture/advice.py",
             "\n\ndef _runner_type():\n    from devgraph.runner.graph_runner import GraphRunner\n\n"
             "    return GraphRunner\n",
-            "devgraph.runner.capture.pool",
+            "devgraph.runner.capture.advice",
             "order",
-            "in devgraph.runner, capture.pool (level 0)",
-            id="capture-pool-importing-graph_runner",
+            "in devgraph.runner, capture.advice (level 0)",
+            id="capture-advice-importing-graph_runner",
         ),
         pytest.param(
             "devgraph/serve/engine/limits.py",
@@ -188,8 +188,11 @@ def test_a_row_whose_module_moved_is_named(tree):
 def test_the_proposal_for_an_order_follows_todays_imports():
     levels = layers.propose("devgraph.runner")
     names = [n for level in levels for n in level]
-    assert sorted(names) == sorted(set(names)) and "graph_runner" in levels[-1]
-    assert "capture.pool" in names and "__init__" in names
+    assert sorted(names) == sorted(set(names))
+    level_of = {name: i for i, level in enumerate(levels) for name in level}
+    # Each unit sits above what it imports: the runner above its life, the life above its graph sets.
+    assert level_of["background"] > level_of["graph_runner"] > level_of["life"] > level_of["capture.sets"]
+    assert "capture.advice" in names and "__init__" in names
 
 
 # -- the codemod --------------------------------------------------------------------------------------

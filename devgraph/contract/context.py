@@ -36,7 +36,7 @@ class CaptureView:
     The runner hands one to :func:`forward_context` at capture: outside the capture itself (warm-ups, break
     ops running eagerly) :func:`get_forward_context` returns :attr:`target`, inside it
     :meth:`during_capture` (a view that notes what the forward read, so a replay whose live context holds
-    other values can be stopped: devgraph.runner.guard.values).
+    other values can be stopped: devgraph.runner.guard.host_values).
     """
 
     __slots__ = ("target",)

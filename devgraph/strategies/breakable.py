@@ -14,7 +14,7 @@ from devgraph.contract.keys import GraphKey
 from devgraph.contract.modes import Strategy
 from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
-from devgraph.strategies.plan import BreakCall, SegmentedPlan
+from devgraph.strategies.segments import BreakCall, SegmentedPlan
 
 __all__ = ["BreakableBackend", "SegmentRecorder"]
 

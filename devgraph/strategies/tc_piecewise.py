@@ -21,7 +21,7 @@ from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.strategies.breakable import SegmentRecorder
 from devgraph.strategies.compiling import CompilingStrategy, dynamo_availability, inductor_compile
-from devgraph.strategies.plan import SegmentedPlan
+from devgraph.strategies.segments import SegmentedPlan
 
 __all__ = ["TcPiecewiseBackend"]
 
