@@ -22,6 +22,7 @@ __all__ = ["MOVED", "install"]
 
 #: Old module name -> the module it is now. Entries go once a release has warned about them.
 MOVED: dict[str, str] = {
+    "devgraph.flag.jsonfile": "devgraph.jsonfile",
     "devgraph.integrations.hf.loop": "devgraph.integrations.hf.decode_loop",
     "devgraph.platforms.sim.modes": "devgraph.platforms.sim.dispatch_modes",
     "devgraph.platforms.sim.pool": "devgraph.platforms.sim.device_memory",

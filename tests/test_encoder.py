@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from devgraph.contract.context import capture_flag, forward_context
+from devgraph.contract.context import capturing, forward_context
 from devgraph.errors import CaptureError, ConfigError
 from devgraph.reference.encoder import (
     EncoderContext,
@@ -143,7 +143,7 @@ def test_rotary_table_grows_outside_capture_only() -> None:
     assert model.rotary_rows == 32  # the next power of two above the largest side, 18
     make_image_batch(model, [(4, 4)])
     assert (model.rotary_rows, model.table_growths) == (32, 1)
-    with capture_flag(), pytest.raises(CaptureError, match="during a graph capture"):
+    with capturing(), pytest.raises(CaptureError, match="during a graph capture"):
         model.ensure_positions(33)
     assert model.rotary_rows == 32
 

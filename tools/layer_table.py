@@ -50,9 +50,10 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
     ),
     (
         Row(
-            ("devgraph.extras", "devgraph.console"),
+            ("devgraph.extras", "devgraph.console", "devgraph.jsonfile"),
             "optional packages and the extra that installs them; how commands talk on a terminal (one-line "
-            "errors, exit codes)",
+            "errors, exit codes); JSON files a user names (a trace, tuned sizes, a checkpoint's config) read "
+            "with one error for each way they can be wrong (`jsonfile.py`)",
         ),
     ),
     (
@@ -102,8 +103,7 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
             ("devgraph.flag.*",),
             "`--device-graph-mode`: the values a phase may hold (`values.py`, which asks the registry for "
             "the mode names and for which of them compile), size lists (`sizes.py`), recorded steps "
-            "(`trace.py`) and sizes tuned to them (`tuning.py`), JSON files a user names read with one "
-            "error for each way they can be wrong (`jsonfile.py`), the parsed flag (`config.py`), and the "
+            "(`trace.py`) and sizes tuned to them (`tuning.py`), the parsed flag (`config.py`), and the "
             "factory (`factory.py`: device → platform, (phase, flag, features) → backend, `create_backend`)",
         ),
     ),

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from devgraph.contract.context import capture_flag
+from devgraph.contract.context import capturing
 from devgraph.contract.keys import GraphKey
 from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
@@ -154,7 +154,7 @@ class FullGraphBackend(CompilingStrategy):
         graph = platform.new_graph()
         platform.capture_begin(graph, self._pool)
         try:
-            with capture_flag():
+            with capturing():
                 # A compiled forward is captured whole, dynamo's own wrappers (input-mutation copies)
                 # included. dynamo cannot start a frame under the CPU simulator's dispatch mode, so there
                 # the call is recorded as one opaque step (on a device this just calls it).
