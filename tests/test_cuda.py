@@ -55,6 +55,9 @@ UNPADDED_RTOL = 2e-2
 # DEVGRAPH_TEST_DEVICE=cpu runs the file's logic on the simulated graphs, to debug it without a GPU.
 DEVICE = torch.device(os.environ.get("DEVGRAPH_TEST_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"
+#: Inductor's fused code against the plain forward, as relative L2 error of the logits: inductor keeps
+#: float32 between the ops it fuses where eager rounds each op to bf16 (1.7-1.8% on the CPU, 4 layers).
+COMPILED_REL_L2 = 4e-2
 #: The compiler of the inductor test (DEVGRAPH_TEST_COMPILER=eager: its logic without inductor).
 INDUCTOR_TEST_COMPILER = os.environ.get("DEVGRAPH_TEST_COMPILER", "inductor")
 
@@ -261,7 +264,8 @@ def test_paged_full_verify_k3_replays_any_batch_composition(model):
 def test_inductor_compiles_around_the_attention_ops(request, mode, attention):
     """The attention ops take the step's paged metadata as one ``Tensor?[]`` argument
     (``PagedMetadata.tensors()``): inductor keeps each op opaque, the graphs replay what the compiled
-    forward computes, and that is the plain forward's result up to bf16 rounding, with nothing recompiled."""
+    forward computes, and that is the plain forward's result up to bf16 rounding (COMPILED_REL_L2), with
+    nothing recompiled."""
     model = _model_for(request, attention)
     flag = {"decode": {"backend": mode, "compiler": INDUCTOR_TEST_COMPILER, "sizes": [1, 4, 8]}}
     with decode_runner(model, config=json.dumps(flag)) as runner:
@@ -274,7 +278,8 @@ def test_inductor_compiles_around_the_attention_ops(request, mode, attention):
             out = runner.run(n, context, copy=True, **batch).float()
             with devgraph.forward_context(batch_context(batch)):
                 plain = model.decode_step(**batch).float()  # rewrites the same K/V at the same slots
-            assert (out - plain).abs().max() <= UNPADDED_RTOL * plain.abs().max(), (mode, n)
+            error = float((out - plain).norm() / plain.norm())
+            assert error <= COMPILED_REL_L2, (mode, n, error)
         assert runner.inspect()["recompiles"] == 0
 
 
