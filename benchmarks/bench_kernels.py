@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from kernels_timing import Timer, copy_bandwidth, host_time, rel_l2
 
-from devgraph.reference.kernels import attention_backend, torch_ref
+from devgraph.reference.kernels import PagedMetadata, attention_backend, torch_ref
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 16
 WINDOW = 2048  # positions a block table spans
@@ -79,6 +79,13 @@ def paged_cache(gen: torch.Generator, requests: int) -> tuple[torch.Tensor, torc
     v_cache = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
     order = torch.randperm(requests * blocks, generator=gen, device=DEVICE)
     return k_cache, v_cache, order.view(requests, blocks).to(torch.int32)
+
+
+def metadata(
+    tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None
+) -> PagedMetadata:
+    """The attention functions' metadata (the slot mapping, read only by ``write_kv``, is empty)."""
+    return PagedMetadata(torch.empty(0, dtype=torch.long, device=DEVICE), tables, seq_lens, cu_seqlens_q)
 
 
 def contiguous_kv(cache: torch.Tensor, tables: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
@@ -117,7 +124,7 @@ def decode_case(
     k_cache, v_cache, tables = paged_cache(gen, batch)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
-    args = (q, k_cache, v_cache, tables, seq_lens, SCALE)
+    args = (q, k_cache, v_cache, metadata(tables, seq_lens), SCALE)
     keys = torch.stack(contiguous_kv(k_cache, tables, [context] * batch))  # [B, KVH, L, D]
     values = torch.stack(contiguous_kv(v_cache, tables, [context] * batch))
     q_sdpa = q[:, :, None, :]  # [B, H, 1, D]
@@ -152,7 +159,7 @@ def prefill_case(
     cu = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
-    args = (q, k_cache, v_cache, tables, cu, seq_lens, SCALE)
+    args = (q, k_cache, v_cache, metadata(tables, seq_lens, cu), SCALE)
     ref = torch_ref.paged_prefill_attention(*args)
     out = triton.paged_prefill_attention(*args)
     host = host_time(lambda: triton.paged_prefill_attention(*args), DEVICE)
@@ -226,7 +233,7 @@ def sweep(timer: Timer, gen: torch.Generator, budget_s: float) -> dict[str, Any]
         k_cache, v_cache, tables = paged_cache(gen, batch)
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
-        args = (q, k_cache, v_cache, tables, seq_lens, SCALE)
+        args = (q, k_cache, v_cache, metadata(tables, seq_lens), SCALE)
         default = triton_ops.decode_config(batch, KV_HEADS, tables.shape[1], PAGE, q.device)
         run = functools.partial(triton_ops.paged_decode_attention, *args)
         results["decode"][f"b{batch}_ctx{context}"] = {
@@ -243,9 +250,8 @@ def sweep(timer: Timer, gen: torch.Generator, budget_s: float) -> dict[str, Any]
         lengths = [prefix_to or n for n in query_lens]
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
         q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=DTYPE)
-        run = functools.partial(
-            triton_ops.paged_prefill_attention, q, k_cache, v_cache, tables, cu, seq_lens, SCALE
-        )
+        meta = metadata(tables, seq_lens, cu)
+        run = functools.partial(triton_ops.paged_prefill_attention, q, k_cache, v_cache, meta, SCALE)
         default = triton_ops.prefill_config(len(q), requests, HEAD_DIM)
         configs = [
             triton_ops.PrefillConfig(*c) for c in itertools.product(block_ms, (32, 64, 128), (4, 8), (2, 3))

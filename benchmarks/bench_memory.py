@@ -32,7 +32,7 @@ from harness.plots import Panel, plot_panels
 from harness.report import Report, environment, output_path
 from harness.targets import Target, targets_table
 
-from devgraph.platforms.sim.pool import reserved_bytes
+from devgraph.platforms.sim.device_memory import reserved_bytes
 from devgraph.reference import ReferenceConfig, ReferenceModel
 from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
 

@@ -142,7 +142,7 @@ def devgraph_child(args: argparse.Namespace) -> dict[str, Any]:
 
 def ro_child(args: argparse.Namespace) -> dict[str, Any]:
     """``torch.compile(model.decode_step, mode="reduce-overhead")`` warmed up on the same sizes."""
-    from devgraph.strategies.startup import StartupClock
+    from devgraph.strategies.compile_time import StartupClock
 
     dev, model, inputs, sizes = _build(args)
     compiled = torch.compile(model.decode_step, mode="reduce-overhead" if not args.smoke else None)

@@ -4,6 +4,7 @@ An engine builds one :class:`GraphRunner` per phase, calls ``capture()`` at star
 every step; ``--device-graph-mode`` (see :func:`add_device_graph_args`) picks the strategy per phase.
 """
 
+from devgraph import _moved
 from devgraph._version import __version__
 from devgraph.contract.backend import BackendOptions, DeviceGraphBackend
 from devgraph.contract.breaks import BreakOp, graph_break
@@ -109,3 +110,5 @@ __all__ = [
     "write_trace",
     "__version__",
 ]
+
+_moved.install()  # modules renamed inside the package stay importable under their old names, with a warning

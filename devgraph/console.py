@@ -36,8 +36,8 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | No
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command: argparse.ArgumentParser = getattr(args, "command_parser", None) or parser
-        flags = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
-        guesses = [difflib.get_close_matches(u.split("=", 1)[0], flags, n=1) for u in unknown]
+        known = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
+        guesses = [difflib.get_close_matches(u.split("=", 1)[0], known, n=1) for u in unknown]
         hint = next((f" (did you mean {g[0]}?)" for g in guesses if g), "")
         command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return args

@@ -9,9 +9,10 @@ import warnings
 import pytest
 import torch
 
-from devgraph import GraphRunner, RecompileError, StaticInput
+from devgraph import GraphRunner, RecompileError, StaticInput, resolve_platform
 from devgraph.contract.backend import BackendOptions
-from devgraph.strategies import TcPiecewiseBackend
+from devgraph.strategies import CompilingStrategy, TcPiecewiseBackend
+from devgraph.strategies.full import FullEntry
 
 INPUTS = {"x": StaticInput(torch.float32, (3,), fill=0.0)}
 W = torch.arange(9, dtype=torch.float32).reshape(3, 3) / 10
@@ -103,3 +104,49 @@ def test_a_size_equal_to_the_row_width_does_not_compile_twice():
     )
     runner.capture()
     assert runner.inspect()["compiles"] == 1
+
+
+class _PieceCounter(CompilingStrategy):
+    """A plug-in's own compiling strategy on the shared compile hooks: it says only how dynamo's graph
+    becomes code (here: run as traced, counting the graphs) and captures each key whole."""
+
+    name = "piece_counter"
+    accepts_compiler = True
+    default_compiler = "eager"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphs = 0
+
+    def wrap_forward(self, forward):
+        return self.compile.wrap(forward, self._dynamo_backend)
+
+    def _compile_graph(self, gm, example_inputs):
+        self.graphs += 1
+        return gm
+
+    def _capture(self, key, forward_fn):
+        graph = self.platform.new_graph()
+        self.platform.capture_begin(graph, self._pool)
+        outputs = self.platform.record_opaque(forward_fn)
+        self.platform.capture_end(graph)
+        return FullEntry(graph, outputs)
+
+
+def test_a_plugin_compiling_strategy_gets_the_compile_hooks():
+    """Counting compiles, the seal after capture (a recompile is reported), describe(): all from the base."""
+    backend = _PieceCounter(resolve_platform("cpu"), phase="decode")
+    runner = GraphRunner(forward, phase="decode", inputs=INPUTS, sizes=[1, 2], backend=backend)
+    runner.capture()
+    x = torch.ones(2, 3)
+    torch.testing.assert_close(runner.run(x=x), forward(x))
+    info = runner.inspect()
+    assert (info["compiler"], info["compiles"], info["recompiles"]) == ("eager", 1, 0)
+    assert backend.graphs == 1 and (backend.compiles, backend.recompiles) == (1, 0)
+    FLAGS["double"] = True  # the guard fails: a compile after capture is a recompile, reported
+    try:
+        runner.verify(x=torch.ones(2, 3))  # verify() runs the compiled forward on the padded buffers
+    finally:
+        FLAGS["double"] = False
+    assert runner.inspect()["recompiles"] == 1
+    runner.close()

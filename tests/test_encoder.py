@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from devgraph.contract.context import capture_flag, forward_context
+from devgraph.contract.context import capturing, forward_context
 from devgraph.errors import CaptureError, ConfigError
 from devgraph.reference.encoder import (
     EncoderContext,
@@ -143,7 +143,7 @@ def test_rotary_table_grows_outside_capture_only() -> None:
     assert model.rotary_rows == 32  # the next power of two above the largest side, 18
     make_image_batch(model, [(4, 4)])
     assert (model.rotary_rows, model.table_growths) == (32, 1)
-    with capture_flag(), pytest.raises(CaptureError, match="during a graph capture"):
+    with capturing(), pytest.raises(CaptureError, match="during a graph capture"):
         model.ensure_positions(33)
     assert model.rotary_rows == 32
 
@@ -188,6 +188,17 @@ def test_every_split_of_a_bucket_replays_one_graph_exactly(mode: str, attention:
         assert stats["replays_by_key"] == {key: steps}
         assert stats["padded_rows"] == 28 * len(SPLITS_100)
         assert [str(k) for k in runner.keys] == [key]
+
+
+def test_tc_piecewise_compiles_around_the_sdpa_image_attention() -> None:
+    """torch.compile traces the sdpa break op through its shape function, which takes the op's arguments
+    (a copy of the signature once missed ``windowed``: the encoder with sdpa attention did not compile)."""
+    model = tiny_encoder("sdpa", window_size=2, full_attention_blocks=(0,))
+    with encoder_runner(model, mode="tc_piecewise", sizes=[128]) as runner:
+        runner.capture()
+        for seed, grids in enumerate([SPLITS_128[1], SPLITS_100[2]]):
+            check_step(runner, model, grids, seed)
+        assert runner.inspect()["recompiles"] == 0
 
 
 @pytest.mark.parametrize(("mode", "attention"), MODES)

@@ -11,7 +11,7 @@ import torch
 
 from devgraph import ConfigError, GraphRunner, StaticInput
 from devgraph.contract.keys import GraphKey
-from devgraph.platforms.sim.pool import reserved_bytes
+from devgraph.platforms.sim.device_memory import reserved_bytes
 from devgraph.runner.memory import GraphMemoryEstimate, fit_bytes, probe_keys
 
 pytestmark = pytest.mark.timeout(120)

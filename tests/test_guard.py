@@ -497,3 +497,19 @@ def test_the_storage_resize_watch_leaves_tensors_without_memory_alone():
     real = torch.zeros(256)
     real.untyped_storage().resize_(0)  # real memory given back: still an event
     assert events.epoch() > before
+
+
+def test_torch_compile_of_an_empty_tensor_works_once_a_guard_is_armed() -> None:
+    """The guard's storage-resize hook is process-wide. torch.compile gives the fake tensor of an empty
+    input (or constant) a zero-byte storage through ``resize_``, and a fake storage has no data pointer to
+    read: the hook must let it through, not fail every later compile of the process."""
+    from devgraph.runner.guard import events
+
+    events.install()  # what arming any runner's guard does
+    before = events.epoch()
+    compiled = torch.compile(lambda x, y: x + y.sum(), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(torch.ones(3), torch.empty(0)), torch.ones(3))
+    assert events.epoch() == before  # a fake storage's resize is nothing a graph captured
+    storage = torch.ones(4).untyped_storage()
+    storage.resize_(64)  # a real storage moved to other memory is still an event
+    assert events.epoch() > before

@@ -30,6 +30,7 @@ from devgraph.errors import BackendUnavailableError, ConfigError, InputError
 from devgraph.platforms.sim.graph import SimGraph, begin_capture, end_capture
 from devgraph.reference.kernels import (
     AttentionKernels,
+    PagedMetadata,
     attention_backend,
     available_backends,
     backends,
@@ -54,6 +55,16 @@ class Paged:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     lengths: list[int]
+
+    def meta(self, cu_seqlens_q: torch.Tensor | None = None) -> PagedMetadata:
+        return meta_of(self.block_tables, self.seq_lens, cu_seqlens_q)
+
+
+def meta_of(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None
+) -> PagedMetadata:
+    """The attention functions' metadata; the slot mapping (only ``write_kv`` reads one) is empty."""
+    return PagedMetadata(torch.empty(0, dtype=torch.long), block_tables, seq_lens, cu_seqlens_q)
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -219,9 +230,7 @@ HEAD_SHAPES = [(4, 4, 16), (8, 2, 64), (6, 3, 16)]  # (heads, kv heads, head dim
 def test_reference_decode_matches_naive(heads: int, kv_heads: int, dim: int, seed: int) -> None:
     batch, q = decode_case(seed, heads, kv_heads, dim)
     scale = dim**-0.5
-    out = torch_ref.paged_decode_attention(
-        q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, scale
-    )
+    out = torch_ref.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.meta(), scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_matches(out, naive_decode(q, batch, scale))
     assert torch.count_nonzero(out[-1]) == 0  # the padding request
@@ -233,9 +242,7 @@ def test_reference_prefill_matches_naive(heads: int, kv_heads: int, dim: int, se
     batch, q, query_lens = prefill_case(seed, heads, kv_heads, dim)
     cu = cu_of(query_lens)
     scale = dim**-0.5
-    out = torch_ref.paged_prefill_attention(
-        q, batch.k_cache, batch.v_cache, batch.block_tables, cu, batch.seq_lens, scale
-    )
+    out = torch_ref.paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.meta(cu), scale)
     assert_matches(out, naive_prefill(q, batch, query_lens, scale))
     assert torch.count_nonzero(out[sum(query_lens) :]) == 0  # padding tokens
 
@@ -247,7 +254,7 @@ def test_reference_prefill_without_prefix_is_plain_causal_attention() -> None:
     batch = paged_batch(gen, query_lens, max_blocks=2, kv_heads=2, dim=16)
     q = packed(gen, 24, 23, 4, 16)
     out = torch_ref.paged_prefill_attention(
-        q, batch.k_cache, batch.v_cache, batch.block_tables, cu_of(query_lens), batch.seq_lens, 0.3
+        q, batch.k_cache, batch.v_cache, batch.meta(cu_of(query_lens)), 0.3
     )
     assert_matches(out, naive_prefill(q, batch, query_lens, 0.3))
 
@@ -324,7 +331,8 @@ def test_reference_decode_and_prefill_replay_any_composition() -> None:
         batch.block_tables.clone(),
         batch.seq_lens.clone(),
     )
-    graph, out = _capture(torch_ref.paged_decode_attention, *statics, scale)
+    meta = meta_of(*statics[3:])
+    graph, out = _capture(torch_ref.paged_decode_attention, *statics[:3], meta, scale)
     for seed in (11, 12, 13):
         other, q_new = decode_case(seed, heads, kv_heads, dim)
         for static, new in zip(
@@ -332,7 +340,7 @@ def test_reference_decode_and_prefill_replay_any_composition() -> None:
         ):
             static.copy_(new)
         graph.replay()
-        direct = torch_ref.paged_decode_attention(*statics, scale)
+        direct = torch_ref.paged_decode_attention(*statics[:3], meta, scale)
         assert torch.equal(out, direct)
         assert_matches(out, naive_decode(q_new, other, scale))
 
@@ -343,17 +351,18 @@ def test_reference_decode_and_prefill_replay_any_composition() -> None:
         batch.k_cache.clone(),
         batch.v_cache.clone(),
         batch.block_tables.clone(),
-        cu,
         batch.seq_lens.clone(),
+        cu,
     )
-    graph, out = _capture(torch_ref.paged_prefill_attention, *statics, scale)
+    meta = meta_of(*statics[3:])
+    graph, out = _capture(torch_ref.paged_prefill_attention, *statics[:3], meta, scale)
     for seed in (21, 22):
         other, q_new, lens_new = prefill_case(seed, heads, kv_heads, dim)
-        news = (q_new, other.k_cache, other.v_cache, other.block_tables, cu_of(lens_new), other.seq_lens)
+        news = (q_new, other.k_cache, other.v_cache, other.block_tables, other.seq_lens, cu_of(lens_new))
         for static, new in zip(statics, news, strict=True):
             static.copy_(new)
         graph.replay()
-        assert torch.equal(out, torch_ref.paged_prefill_attention(*statics, scale))
+        assert torch.equal(out, torch_ref.paged_prefill_attention(*statics[:3], meta, scale))
         assert_matches(out, naive_prefill(q_new, other, lens_new, scale))
 
 
@@ -393,7 +402,7 @@ def test_backends_torch_and_auto_on_cpu() -> None:
     assert isinstance(torch_kernels, AttentionKernels) and torch_kernels.name == "torch"
     assert torch_kernels.paged_decode_attention is torch_ref.paged_decode_attention
     batch, q = decode_case(40, 4, 2, 16)
-    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.25)
+    args = (q, batch.k_cache, batch.v_cache, batch.meta(), 0.25)
     # auto on CPU tensors is the reference, whether or not triton imports
     assert torch.equal(
         attention_backend("auto").paged_decode_attention(*args), torch_ref.paged_decode_attention(*args)
@@ -428,12 +437,10 @@ def test_backend_unknown_name() -> None:
 def test_input_checks_name_the_problem() -> None:
     batch, q = decode_case(50, 4, 2, 16)
     with pytest.raises(InputError, match="multiple of the number of kv heads"):
-        torch_ref.paged_decode_attention(
-            q[:, :3], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 1.0
-        )
+        torch_ref.paged_decode_attention(q[:, :3], batch.k_cache, batch.v_cache, batch.meta(), 1.0)
     with pytest.raises(InputError, match="seq_lens has dtype torch.float32"):
         torch_ref.paged_decode_attention(
-            q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens.float(), 1.0
+            q, batch.k_cache, batch.v_cache, meta_of(batch.block_tables, batch.seq_lens.float()), 1.0
         )
     with pytest.raises(InputError, match="block_size is 8"):
         torch_ref.write_kv(
@@ -444,9 +451,9 @@ def test_input_checks_name_the_problem() -> None:
             torch.zeros(6, dtype=torch.long),
         )
     with pytest.raises(InputError, match="R \\+ 1 cumulative query offsets"):
-        torch_ref.paged_prefill_attention(
-            q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.seq_lens, 1.0
-        )
+        torch_ref.paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.meta(batch.seq_lens), 1.0)
+    with pytest.raises(InputError, match="cu_seqlens_q is None.*paged_decode_attention"):
+        torch_ref.paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.meta(), 1.0)
 
 
 # -- Triton under the interpreter (CPU) --------------------------------------------------------------
@@ -463,7 +470,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     for heads, kv_heads, dim in ((4, 2, 16), (2, 2, 32)):
         batch, q = decode_case(1, heads, kv_heads, dim, requests=3, max_blocks=3)
         caches = batch.k_cache.to(half), batch.v_cache.to(half)
-        args = (q.to(half), *caches, batch.block_tables, batch.seq_lens, 0.3)
+        args = (q.to(half), *caches, batch.meta(), 0.3)
         ref = torch_ref.paged_decode_attention(*args)
         for splits in (1, 3):
             config = triton_ops.DecodeConfig(splits=splits, block_n=16)
@@ -471,7 +478,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             assert not out.isnan().any() and rel(out, ref) < 3e-3, ("decode", splits, rel(out, ref))
         batch, q, query_lens = prefill_case(2, heads, kv_heads, dim, tokens=24, max_blocks=3)
         caches = batch.k_cache.to(half), batch.v_cache.to(half)
-        args = (q.to(half), *caches, batch.block_tables, cu_of(query_lens), batch.seq_lens, 0.3)
+        args = (q.to(half), *caches, batch.meta(cu_of(query_lens)), 0.3)
         config = triton_ops.PrefillConfig(block_m=16, block_n=16)
         out = triton_ops.paged_prefill_attention(*args, config=config)
         ref = torch_ref.paged_prefill_attention(*args)
@@ -555,7 +562,7 @@ def test_triton_decode_matches_reference(dtype, heads: int, kv_heads: int, dim: 
     kernels = attention_backend("triton")
     for seed, (requests, max_blocks) in enumerate([(1, 64), (3, 40), (8, 9), (33, 20), (64, 4), (2, 200)]):
         batch, q = _gpu_decode_case(seed, requests, max_blocks, heads, kv_heads, dim, dtype)
-        args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, dim**-0.5)
+        args = (q, batch.k_cache, batch.v_cache, batch.meta(), dim**-0.5)
         out = kernels.paged_decode_attention(*args)
         ref = torch_ref.paged_decode_attention(*args)
         assert not out.isnan().any(), (requests, max_blocks)
@@ -572,7 +579,7 @@ def test_triton_prefill_matches_reference(dtype, heads: int, kv_heads: int, dim:
     cases = [(512, 3, 33), (64, 9, 8), (256, 5, 40), (40, 11, 4), (300, 2, 24)]  # tokens, R + 1, max blocks
     for seed, (tokens, requests, max_blocks) in enumerate(cases):
         batch, q, cu = _gpu_prefill_case(seed, tokens, requests, max_blocks, heads, kv_heads, dim, dtype)
-        args = (q, batch.k_cache, batch.v_cache, batch.block_tables, cu, batch.seq_lens, dim**-0.5)
+        args = (q, batch.k_cache, batch.v_cache, batch.meta(cu), dim**-0.5)
         out = kernels.paged_prefill_attention(*args)
         ref = torch_ref.paged_prefill_attention(*args)
         assert not out.isnan().any(), (tokens, requests)
@@ -630,24 +637,26 @@ def test_triton_cuda_graph_replays_any_composition() -> None:
 
     batch, q = _gpu_decode_case(0, requests, max_blocks, heads, kv_heads, dim, dtype)
     statics = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
-    graph, out = capture(kernels.paged_decode_attention, *statics, dim**-0.5)
+    meta = meta_of(*statics[3:])
+    graph, out = capture(kernels.paged_decode_attention, *statics[:3], meta, dim**-0.5)
     for seed in range(1, 6):
         other, q_new = _gpu_decode_case(seed, requests, max_blocks, heads, kv_heads, dim, dtype)
         load(statics, (q_new, other.k_cache, other.v_cache, other.block_tables, other.seq_lens))
         graph.replay()
-        ref = torch_ref.paged_decode_attention(*statics, dim**-0.5)
+        ref = torch_ref.paged_decode_attention(*statics[:3], meta, dim**-0.5)
         assert rel_l2(out, ref) <= GPU_REL_L2[dtype], ("decode", seed)
 
     batch, q, cu = _gpu_prefill_case(0, tokens, requests, max_blocks, heads, kv_heads, dim, dtype)
-    statics = (q, batch.k_cache, batch.v_cache, batch.block_tables, cu, batch.seq_lens)
-    graph, out = capture(kernels.paged_prefill_attention, *statics, dim**-0.5)
+    statics = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, cu)
+    meta = meta_of(*statics[3:])
+    graph, out = capture(kernels.paged_prefill_attention, *statics[:3], meta, dim**-0.5)
     for seed in range(1, 6):
         other, q_new, cu_new = _gpu_prefill_case(
             seed, tokens, requests, max_blocks, heads, kv_heads, dim, dtype
         )
-        load(statics, (q_new, other.k_cache, other.v_cache, other.block_tables, cu_new, other.seq_lens))
+        load(statics, (q_new, other.k_cache, other.v_cache, other.block_tables, other.seq_lens, cu_new))
         graph.replay()
-        ref = torch_ref.paged_prefill_attention(*statics, dim**-0.5)
+        ref = torch_ref.paged_prefill_attention(*statics[:3], meta, dim**-0.5)
         assert rel_l2(out, ref) <= GPU_REL_L2[dtype], ("prefill", seed)
         assert torch.count_nonzero(out[int(cu_new[-1]) :]) == 0
 

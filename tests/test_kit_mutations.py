@@ -20,11 +20,11 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from devgraph.contract.context import capture_flag, forward_context, get_forward_context
+from devgraph.contract.context import capturing, forward_context, get_forward_context
 from devgraph.contract.keys import Batch, GraphKey
 from devgraph.registry.plugins import Registry
 from devgraph.strategies import BreakableBackend, FullGraphBackend, TcPiecewiseBackend
-from devgraph.strategies.plan import BreakCall
+from devgraph.strategies.segments import BreakCall
 from devgraph.testing import check_names, run_check, run_conformance
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "conformance.md"
@@ -206,7 +206,7 @@ class LeavesHalfCapture(FullGraphBackend):
             raise
 
 
-class NoReplayFlag(BreakableBackend):
+class NotMarkedReplaying(BreakableBackend):
     """Does not set is_replaying() around replays."""
 
     def runtime_session(self) -> contextlib.AbstractContextManager[None]:
@@ -253,15 +253,15 @@ class KeysByTokens(FullGraphBackend):
         return super().replay(GraphKey(key.tokens), static_inputs)
 
 
-class NoCaptureFlag(FullGraphBackend):
+class NotMarkedCapturing(FullGraphBackend):
     """Captures without telling model code (is_capturing() stays False inside the graph)."""
 
     def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> Any:
-        def unflagged() -> Any:
-            with capture_flag(False):
+        def unmarked() -> Any:
+            with capturing(False):
                 return forward_fn()
 
-        return super()._capture(key, unflagged)
+        return super()._capture(key, unmarked)
 
 
 class DeclinesPadded(FullGraphBackend):
@@ -339,15 +339,17 @@ MUTANTS = [
     ),
     Mutant("m_half_capture", LeavesHalfCapture, {"failed_capture": "leave nothing of its key behind"}),
     Mutant(
-        "m_no_replay_flag",
-        NoReplayFlag,
+        "m_not_marked_replaying",
+        NotMarkedReplaying,
         {"runtime_session": "False inside runtime_session()", "break_ops": "is_replaying() False"},
     ),
     Mutant("m_baked_context", BakesBreakContext, {"break_ops": "not the live 3.0"}),
     Mutant("m_skips_breaks", SkipsBreakOps, {"break_ops": "did not run at replay"}),
     Mutant("m_ignores_owner", IgnoresOwnership, {"ownership": "accepted a backend"}),
     Mutant("m_keys_by_tokens", KeysByTokens, {"variants": "variant scaled="}),
-    Mutant("m_no_capture_flag", NoCaptureFlag, {"break_ops": "is_capturing() False while captured"}),
+    Mutant(
+        "m_not_marked_capturing", NotMarkedCapturing, {"break_ops": "is_capturing() False while captured"}
+    ),
     Mutant("m_declines_padded", DeclinesPadded, {"padding_rows": "made 0 replay() calls"}),
     Mutant("m_release_leaks", ReleaseLeaks, {"lazy_capture": "are still alive"}),
 ]

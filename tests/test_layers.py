@@ -121,14 +121,13 @@ def test_a_new_root_module_importing_the_cli_fails(tree):
             id="import_module-of-serve-inside-contract",
         ),
         pytest.param(
-            # the runner/capture/pool.py: the shared pool lives in runner/shared_pool.py now
-            "devgraph/runner/shared_pool.py",
+            "devgraph/runner/capture/advice.py",
             "\n\ndef _runner_type():\n    from devgraph.runner.graph_runner import GraphRunner\n\n"
             "    return GraphRunner\n",
-            "devgraph.runner.shared_pool",
+            "devgraph.runner.capture.advice",
             "order",
-            "in devgraph.runner, shared_pool (level 0)",
-            id="shared-pool-importing-graph_runner",
+            "in devgraph.runner, capture.advice (level 0)",
+            id="capture-advice-importing-graph_runner",
         ),
         pytest.param(
             "devgraph/serve/engine/limits.py",
@@ -189,9 +188,11 @@ def test_a_row_whose_module_moved_is_named(tree):
 def test_the_proposal_for_an_order_follows_todays_imports():
     levels = layers.propose("devgraph.runner")
     names = [n for level in levels for n in level]
-    assert sorted(names) == sorted(set(names)) and "background" in levels[-1]  # it drives runners
-    assert levels.index(next(lv for lv in levels if "graph_runner" in lv)) == len(levels) - 2
-    assert "shared_pool" in names and "__init__" in names
+    assert sorted(names) == sorted(set(names))
+    level_of = {name: i for i, level in enumerate(levels) for name in level}
+    # Each unit sits above what it imports: the runner above its life, the life above its graph sets.
+    assert level_of["background"] > level_of["graph_runner"] > level_of["life"] > level_of["capture.sets"]
+    assert "capture.advice" in names and "__init__" in names
 
 
 # -- the codemod --------------------------------------------------------------------------------------

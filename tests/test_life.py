@@ -23,7 +23,7 @@ from devgraph import (
     StaticInput,
     is_capturing,
 )
-from devgraph.platforms.sim.pool import reserved_bytes
+from devgraph.platforms.sim.device_memory import reserved_bytes
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 

@@ -319,7 +319,8 @@ def test_attention_writes_the_slots_and_matches_a_naive_loop(form: str, phase: s
     else:
         context = batch_context(batch) if form == "sdpa-context" else None
         with forward_context(context):
-            out = sdpa_attention(q, k, v, k_cache, v_cache, batch["slot_mapping"], tables, lens, cu, scale)
+            meta = PagedMetadata(batch["slot_mapping"], tables, lens, cu)
+            out = sdpa_attention(q, k, v, k_cache, v_cache, meta.tensors(), scale)
     assert out.shape == q.shape and out.is_contiguous()
 
     flat_k = k_cache.view(-1, c.num_kv_heads, c.head_dim)
@@ -346,11 +347,7 @@ def test_the_steps_have_no_host_sync() -> None:
         model.decode_step(**decode)
         model.prefill_step(**prefill)
         model.verify_step(**verify)
-    assert {
-        "devgraph_ref::paged_decode",
-        "devgraph_ref::paged_prefill",
-        "devgraph_ref::write_kv",
-    } <= guard.ops
+    assert {"devgraph_ref::paged_attention", "devgraph_ref::write_kv"} <= guard.ops
     # A dispatch mode sees a custom op as one call; run the bodies themselves to inspect their aten ops.
     c = model.config
     q = torch.randn(8, c.num_heads, c.head_dim)
@@ -361,12 +358,14 @@ def test_the_steps_have_no_host_sync() -> None:
         for batch in (decode, prefill):
             n = batch["slot_mapping"].shape[0]
             kernels.write_kv(kv[:n], kv[:n], *caches, batch["slot_mapping"])
-            tables, lens, cu = batch["block_tables"], batch["seq_lens"], batch.get("cu_seqlens_q")
-            if cu is None:
-                kernels.paged_decode_attention(q[:n], *caches, tables, lens, 0.25)
+            meta = PagedMetadata(
+                batch["slot_mapping"], batch["block_tables"], batch["seq_lens"], batch.get("cu_seqlens_q")
+            )
+            if meta.cu_seqlens_q is None:
+                kernels.paged_decode_attention(q[:n], *caches, meta, 0.25)
             else:
-                kernels.paged_prefill_attention(q[:n], *caches, tables, cu, lens, 0.25)
-            args = (q[:n], kv[:n], kv[:n], *caches, batch["slot_mapping"], tables, lens, cu, 0.25)
+                kernels.paged_prefill_attention(q[:n], *caches, meta, 0.25)
+            args = (q[:n], kv[:n], kv[:n], *caches, meta.tensors(), 0.25)
             with forward_context(batch_context(batch)):  # host lists: read without a device sync
                 sdpa_attention.fn(*args)
             sdpa_attention.fn(*args)  # no context: the device-metadata reference
@@ -384,20 +383,19 @@ def test_attention_op_registration() -> None:
         n = batch["slot_mapping"].shape[0]
         q = torch.randn(n, c.num_heads, c.head_dim)
         kv = torch.randn(n, c.num_kv_heads, c.head_dim)
-        tables, lens, cu = batch["block_tables"], batch["seq_lens"], batch.get("cu_seqlens_q")
+        meta = PagedMetadata(
+            batch["slot_mapping"], batch["block_tables"], batch["seq_lens"], batch.get("cu_seqlens_q")
+        )
         checks: list[tuple[object, tuple[object, ...]]] = [
-            (ops.paged_sdpa.default, (q, kv, kv, *caches, batch["slot_mapping"], tables, lens, cu, scale)),
+            (ops.paged_sdpa.default, (q, kv, kv, *caches, meta.tensors(), scale)),
             (ops.write_kv.default, (kv, kv, *caches, batch["slot_mapping"], "torch")),
+            (ops.paged_attention.default, (q, *caches, meta.tensors(), scale, "torch")),
         ]
-        if cu is None:
-            checks.append((ops.paged_decode.default, (q, *caches, tables, lens, scale, "torch")))
-        else:
-            checks.append((ops.paged_prefill.default, (q, *caches, tables, cu, lens, scale, "torch")))
         for op, args in checks:
             torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     assert ATTENTION_OP_NAME == "devgraph_ref::paged_sdpa"
     assert is_break_target(ops.paged_sdpa.default)
-    assert not any(is_break_target(op) for op in (ops.write_kv.default, ops.paged_decode.default))
+    assert not any(is_break_target(op) for op in (ops.write_kv.default, ops.paged_attention.default))
 
 
 def _compiled_nodes(model: ReferenceModel) -> Mapping[str, int]:
@@ -434,7 +432,7 @@ def test_torch_compile_keeps_attention_as_one_opaque_node_per_layer(attention: s
     else:
         expected = {
             "devgraph_ref.write_kv.default": layers,
-            "devgraph_ref.paged_decode.default": layers,
+            "devgraph_ref.paged_attention.default": layers,
             "break ops": 0,
         }
     assert _compiled_nodes(model) == expected

@@ -1,5 +1,5 @@
 """Warm starts without re-tracing (devgraph/strategies/precompile.py) and the start-up breakdown
-(devgraph/strategies/startup.py).
+(devgraph/strategies/compile_time.py).
 
 The round trip through files in separate processes is in tests/test_artifacts.py; here: when torch's
 ahead-of-time compile is used and when it is refused, a function rebuilt from bytes runs this process's
@@ -17,7 +17,7 @@ import torch
 
 from devgraph.strategies import precompile
 from devgraph.strategies.adaptive import AdaptiveCompile, trampoline
-from devgraph.strategies.startup import PHASES, StartupClock
+from devgraph.strategies.compile_time import PHASES, StartupClock
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from devgraph import BackgroundCapture, ConfigError, GraphRunner, StaticInput
-from devgraph.platforms.sim.pool import reserved_bytes
+from devgraph.platforms.sim.device_memory import reserved_bytes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ import torch
 import devgraph
 from devgraph import CaptureError, GraphKey, GraphRunner, StaticInput, graph_break
 from devgraph.errors import ReplayError
-from devgraph.platforms.sim.pool import SIM_MEMORY
+from devgraph.platforms.sim.device_memory import SIM_MEMORY
 from devgraph.ranks import CaptureSync
 from devgraph.reference import (
     ReferenceConfig,

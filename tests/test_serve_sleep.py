@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from devgraph import ConfigError
-from devgraph.platforms.sim.pool import reserved_bytes
+from devgraph.platforms.sim.device_memory import reserved_bytes
 from devgraph.reference import ReferenceConfig, ReferenceModel
 from devgraph.serve.cli import add_serve_parser
 from devgraph.serve.engine import Engine, EngineAsleep, EngineConfig, EngineLoop, SamplingParams

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from devgraph.contract.breaks import graph_break
-from devgraph.contract.context import capture_flag, forward_context, get_forward_context
+from devgraph.contract.context import capturing, forward_context, get_forward_context
 from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError, ReplayError
 from devgraph.platforms.sim import CpuSimPlatform, SimGraph, SimPool
@@ -248,7 +248,7 @@ def test_capture_in_inference_mode_replays_outside_it(platform: CpuSimPlatform) 
 
 def test_capture_works_inside_and_outside_capture_flag(platform: CpuSimPlatform) -> None:
     x = torch.ones(2)
-    with capture_flag():
+    with capturing():
         inside, y = _capture(platform, lambda: x * 3)
     outside, z = _capture(platform, lambda: x * 4)
     x.fill_(2.0)

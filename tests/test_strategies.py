@@ -31,7 +31,7 @@ from devgraph.reference import (
     prefill_runner,
     verify_runner,
 )
-from devgraph.strategies.plan import BreakCall
+from devgraph.strategies.segments import BreakCall
 
 STRATEGIES = ["full", "breakable", "tc_piecewise"]
 ATTENTIONS = ["paged", "sdpa"]

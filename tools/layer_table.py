@@ -3,7 +3,7 @@ from here by ``python tools/layers.py docs --write``) and that tests/test_layers
 
 Unit names: ``devgraph.runner.*`` is a folder and everything in it; a name without ``.*`` is exactly that
 module (``devgraph`` is the package's own ``__init__.py``: the face). Inside an ordered folder (``ORDERS``)
-names are relative to the folder: ``capture.pool`` is ``devgraph.runner.capture.pool``, ``__init__`` the
+names are relative to the folder: ``capture.advice`` is ``devgraph.runner.capture.advice``, ``__init__`` the
 folder's own ``__init__.py``. A module belongs to the longest name that covers it; a module that no name
 covers fails the check, and so does a name that covers no module.
 
@@ -42,16 +42,18 @@ class Row:
 LAYERS: tuple[tuple[Row, ...], ...] = (
     (
         Row(
-            ("devgraph.errors", "devgraph._version", "devgraph.messages"),
+            ("devgraph.errors", "devgraph._version", "devgraph.messages", "devgraph._moved"),
             "exception types; the version; how messages show values (`shorten`, `kind`, `describe_error`) "
-            "and the texts several layers and plug-ins share (the host-sync cause and advice)",
+            "and the texts several layers and plug-ins share (the host-sync cause and advice); the old names "
+            "of renamed modules (`_moved.py`: importable with a deprecation warning)",
         ),
     ),
     (
         Row(
-            ("devgraph.extras", "devgraph.console"),
+            ("devgraph.extras", "devgraph.console", "devgraph.jsonfile"),
             "optional packages and the extra that installs them; how commands talk on a terminal (one-line "
-            "errors, exit codes)",
+            "errors, exit codes); JSON files a user names (a trace, tuned sizes, a checkpoint's config) read "
+            "with one error for each way they can be wrong (`jsonfile.py`)",
         ),
     ),
     (
@@ -67,23 +69,26 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
         Row(
             ("devgraph.strategies.*",),
             "`full`, `breakable`, `tc_piecewise`, `eager`, their base, `compiling` (one compile for every "
-            "size), `adaptive` (a compile per size where one across sizes fails), `choice` (compiled or "
-            "plain per key: both timed, the faster kept), `inplace` (writes into a view of an input kept in "
-            "place for inductor), `regions` (the repeated block compiled once), `artifacts` (warm "
-            "restarts), `precompile` (the compiled forward saved whole: warm starts without re-tracing), "
-            "`startup` (start-up seconds by compile phase), `plan` (the segmented replay plan)",
+            "size, and `CompilingStrategy`: the compile hooks `full` and `tc_piecewise` share), `adaptive` "
+            "(a compile per size where one across sizes fails), `choice` (compiled or plain per key: both "
+            "timed, the faster kept), `inplace` (writes into a view of an input kept in place for "
+            "inductor), `regions` (the repeated block compiled once), `artifacts` (warm restarts), "
+            "`precompile` (the compiled forward saved whole: warm starts without re-tracing), "
+            "`compile_time` (start-up seconds by compile phase), `segments` (the segmented replay plan: "
+            "graph segments and the break calls between them)",
         ),
         Row(
             ("devgraph.platforms.*",),
-            "`sim/` (the CPU simulated graph), `torch_cuda.py` (the `torch.cuda` graph primitives the CUDA "
-            "and ROCm plug-ins share) and `accelerator.py` (the vendor-neutral `accelerator` platform on "
-            "`torch.accelerator.Graph`, registered by the built-in plug-in)",
+            "`sim/` (the CPU simulated graph: its capture, the device rules it enforces, the dispatch "
+            "modes it runs under, its device memory), `torch_cuda.py` (the `torch.cuda` graph primitives "
+            "the CUDA and ROCm plug-ins share) and `accelerator.py` (the vendor-neutral `accelerator` "
+            "platform on `torch.accelerator.Graph`, registered by the built-in plug-in)",
         ),
         Row(
             ("devgraph.ranks.*",),
-            "what a runner needs from `torch.distributed`: rank, the capture handshake, the per-step key "
-            "check, data-parallel key agreement (`dp.py`; on the device or the gloo control group: "
-            "`transport.py`), teardown",
+            "what a runner needs from `torch.distributed`: rank, the capture handshake (`handshake.py`), "
+            "the per-step key check, data-parallel key agreement (`dp.py`; on the device or the gloo "
+            "control group: `transport.py`), teardown",
         ),
     ),
     (
@@ -98,8 +103,7 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
             ("devgraph.flag.*",),
             "`--device-graph-mode`: the values a phase may hold (`values.py`, which asks the registry for "
             "the mode names and for which of them compile), size lists (`sizes.py`), recorded steps "
-            "(`trace.py`) and sizes tuned to them (`tuning.py`), JSON files a user names read with one "
-            "error for each way they can be wrong (`jsonfile.py`), the parsed flag (`config.py`), and the "
+            "(`trace.py`) and sizes tuned to them (`tuning.py`), the parsed flag (`config.py`), and the "
             "factory (`factory.py`: device → platform, (phase, flag, features) → backend, `create_backend`)",
         ),
     ),
@@ -119,8 +123,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
             " `capture/` (capturing keys: `job.py` the capture loop and its report, `graph_set.py` one "
             "strategy's graphs, `sets.py` the primary and fallback sets, `pending.py`, `lazy.py`, "
             "`advice.py`, `probe.py`, `undeclared.py`); `guard/` (the address guard: events, paths to "
-            "tensors, the observed run and the hazards it shows, host values baked at capture (`values.py`):"
-            " the sanitizer); `outputs/` (pytree helpers, the output layout)",
+            "tensors, the observed run and the hazards it shows, host values baked at capture "
+            "(`host_values.py`): the sanitizer); `outputs/` (pytree helpers, the output layout)",
         ),
     ),
     (

@@ -148,8 +148,8 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(flag: str, path: str, text: str) -> None:
+def _write(argument: str, path: str, text: str) -> None:
     try:
         Path(path).write_text(text + "\n", encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"{flag} {shorten(path)}: cannot write it ({exc.strerror or exc})") from None
+        raise ConfigError(f"{argument} {shorten(path)}: cannot write it ({exc.strerror or exc})") from None

@@ -19,8 +19,8 @@ __all__ = [
     "get_forward_context",
     "is_capturing",
     "is_replaying",
-    "capture_flag",
-    "replay_flag",
+    "capturing",
+    "replaying",
 ]
 
 
@@ -36,7 +36,7 @@ class CaptureView:
     The runner hands one to :func:`forward_context` at capture: outside the capture itself (warm-ups, break
     ops running eagerly) :func:`get_forward_context` returns :attr:`target`, inside it
     :meth:`during_capture` (a view that notes what the forward read, so a replay whose live context holds
-    other values can be stopped: devgraph.runner.guard.values).
+    other values can be stopped: devgraph.runner.guard.host_values).
     """
 
     __slots__ = ("target",)
@@ -93,20 +93,20 @@ def forward_context(context: Any) -> Iterator[Any]:
 
 
 @contextmanager
-def _switched(flag: str, on: bool) -> Iterator[None]:
-    previous = getattr(_state, flag)
-    setattr(_state, flag, on)
+def _switched(state: str, on: bool) -> Iterator[None]:
+    previous = getattr(_state, state)
+    setattr(_state, state, on)
     try:
         yield
     finally:
-        setattr(_state, flag, previous)
+        setattr(_state, state, previous)
 
 
-def capture_flag(on: bool = True) -> AbstractContextManager[None]:
+def capturing(on: bool = True) -> AbstractContextManager[None]:
     """Mark the enclosed code as running under capture (set by backends, read via :func:`is_capturing`)."""
     return _switched("capturing", on)
 
 
-def replay_flag(on: bool = True) -> AbstractContextManager[None]:
+def replaying(on: bool = True) -> AbstractContextManager[None]:
     """Mark the enclosed code as running under replay (set by backends, read via :func:`is_replaying`)."""
     return _switched("replaying", on)

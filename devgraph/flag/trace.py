@@ -33,8 +33,8 @@ from typing import Any
 from devgraph.contract.keys import TOKENS
 from devgraph.contract.phases import PHASES
 from devgraph.errors import ConfigError
-from devgraph.flag.jsonfile import read_json_file
 from devgraph.flag.sizes import HARD_MAX_SIZE
+from devgraph.jsonfile import read_json_file
 from devgraph.messages import shorten
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "PhaseSteps", "load_steps", "read_steps", "write_trace"]

@@ -42,9 +42,9 @@ from devgraph.contract.keys import REQUESTS, TOKENS, bucket_index
 from devgraph.contract.phases import Phase
 from devgraph.errors import ConfigError
 from devgraph.flag.config import FLAG, DeviceGraphConfig
-from devgraph.flag.jsonfile import read_json_file
 from devgraph.flag.sizes import MAX_SIZE_COUNT, resolve_sizes
 from devgraph.flag.trace import TRACE_FORMAT, PhaseSteps
+from devgraph.jsonfile import read_json_file
 from devgraph.messages import shorten
 
 __all__ = [

@@ -12,7 +12,6 @@ released before their communicator is destroyed (:mod:`devgraph.ranks.teardown`)
 docs/tensor-parallel.md.
 """
 
-from devgraph.ranks.capture import CaptureSync
 from devgraph.ranks.dp import GroupAgreement, GroupCounts, agree_counts, keys_code, variant_code
 from devgraph.ranks.group import (
     DEFAULT_RANK_TIMEOUT_S,
@@ -29,6 +28,7 @@ from devgraph.ranks.group import (
     rank_timeout_s,
     settle_device,
 )
+from devgraph.ranks.handshake import CaptureSync
 from devgraph.ranks.lockstep import assert_same_key
 from devgraph.ranks.teardown import (
     close_runners,

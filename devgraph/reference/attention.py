@@ -11,9 +11,8 @@
 """
 
 # No ``from __future__ import annotations`` here: torch derives the operator schema from the annotations,
-# and it reads ``Optional[Tensor]``.
+# and it reads ``list[Optional[Tensor]]``.
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,30 +20,17 @@ import torch.nn.functional as F
 
 from devgraph import get_forward_context, graph_break
 from devgraph.reference.kernels import attention_backend, torch_ref
+from devgraph.reference.kernels.interface import PagedMetadata, attention_fake
 
 __all__ = ["PagedMetadata", "ATTENTION_OP_NAME", "sdpa_attention", "paged_attention"]
 
 ATTENTION_OP_NAME = "devgraph_ref::paged_sdpa"
 
-
-@dataclass
-class PagedMetadata:
-    """A step's attention metadata, all device tensors (shapes fixed by the step's key).
-
-    ``slot_mapping [T]`` int64: the cache slot each token's key/value goes to (padding: the scratch slot).
-    ``block_tables [R, max_blocks]`` int32, ``seq_lens [R]`` int32 (kv length, new tokens included).
-    ``cu_seqlens_q [R + 1]`` int32 for packed steps (prefill, verify); ``None`` in decode.
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor | None = None
-
-
 # The kernels as torch custom ops: opaque to dynamo and inductor (the compiling strategies keep them as
 # one call each, as engines do with their attention kernels), captured whole by device graphs, and traced
 # op by op by the CPU simulator (it traces Python custom-op bodies). ``kernels`` picks the implementation.
+# An operator takes tensors, not a dataclass: the metadata travels as ``PagedMetadata.tensors()``, one
+# ``Tensor?[]`` argument, so a new field of the metadata changes no operator's signature.
 
 
 @torch.library.custom_op("devgraph_ref::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -64,44 +50,22 @@ def _(k, v, k_cache, v_cache, slot_mapping, kernels):  # type: ignore[no-untyped
     return None
 
 
-@torch.library.custom_op("devgraph_ref::paged_decode", mutates_args=())
-def _decode_op(
+@torch.library.custom_op("devgraph_ref::paged_attention", mutates_args=())
+def _attention_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    metadata: list[Optional[torch.Tensor]],  # noqa: UP045 - torch derives the op schema from it
     scale: float,
     kernels: str,
 ) -> torch.Tensor:
-    return attention_backend(kernels).paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale
-    )
-
-
-@_decode_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, scale, kernels):  # type: ignore[no-untyped-def]
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("devgraph_ref::paged_prefill", mutates_args=())
-def _prefill_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    kernels: str,
-) -> torch.Tensor:
+    meta = PagedMetadata.of(metadata)
     ops = attention_backend(kernels)
-    return ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    attend = ops.paged_decode_attention if meta.cu_seqlens_q is None else ops.paged_prefill_attention
+    return attend(q, k_cache, v_cache, meta, scale)
 
 
-@_prefill_op.register_fake
-def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, kernels):  # type: ignore[no-untyped-def]
-    return torch.empty_like(q)
+_attention_op.register_fake(attention_fake)
 
 
 def paged_attention(
@@ -114,13 +78,10 @@ def paged_attention(
     meta: PagedMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's keys/values, then attend through the device-metadata kernels."""
+    """Write this step's keys/values, then attend through the device-metadata kernels (decode without
+    ``meta.cu_seqlens_q``, packed prefill with it)."""
     _write_kv_op(k, v, k_cache, v_cache, meta.slot_mapping, kernels)
-    if meta.cu_seqlens_q is None:
-        return _decode_op(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, kernels)
-    return _prefill_op(
-        q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale, kernels
-    )
+    return _attention_op(q, k_cache, v_cache, meta.tensors(), scale, kernels)
 
 
 def _host_lengths(name: str) -> list | None:
@@ -129,54 +90,37 @@ def _host_lengths(name: str) -> list | None:
     return value if isinstance(value, list) else None
 
 
-def _fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: Optional[torch.Tensor],  # noqa: UP045 - torch derives the op schema from it
-    scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-@graph_break(ATTENTION_OP_NAME, mutates_args=("k_cache", "v_cache"), fake=_fake)
+@graph_break(ATTENTION_OP_NAME, mutates_args=("k_cache", "v_cache"), fake=attention_fake)
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: Optional[torch.Tensor],  # noqa: UP045 - torch derives the op schema from it
+    metadata: list[Optional[torch.Tensor]],  # noqa: UP045 - torch derives the op schema from it
     scale: float,
 ) -> torch.Tensor:
     """The ``sdpa`` attention break op: write K/V, then SDPA sized by the context's host lengths.
 
-    Host lengths: ``context.seq_lens`` (kv length of each real request) and, for packed steps,
-    ``context.cu_seqlens_q`` (cumulative query lengths). Rows past the real requests and tokens are zero.
+    ``metadata``: the step's :class:`PagedMetadata` as ``meta.tensors()``. Host lengths:
+    ``context.seq_lens`` (kv length of each real request) and, for packed steps, ``context.cu_seqlens_q``
+    (cumulative query lengths). Rows past the real requests and tokens are zero.
     """
-    torch_ref.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    meta = PagedMetadata.of(metadata)
+    torch_ref.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     host_lens = _host_lengths("seq_lens")
     if host_lens is None:
         # No host lengths (captured whole under `full`): the device-metadata reference, valid for any batch.
-        if cu_seqlens_q is None:
-            return torch_ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        return torch_ref.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale
-        )
-    if cu_seqlens_q is None:
-        return _decode_sdpa(q, k_cache, v_cache, block_tables, seq_lens, max(host_lens, default=0), scale)
+        if meta.cu_seqlens_q is None:
+            return torch_ref.paged_decode_attention(q, k_cache, v_cache, meta, scale)
+        return torch_ref.paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+    if meta.cu_seqlens_q is None:
+        longest = max(host_lens, default=0)
+        return _decode_sdpa(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, longest, scale)
     host_cu = _host_lengths("cu_seqlens_q")
     if host_cu is None:
         raise ValueError("the sdpa attention op needs context.cu_seqlens_q (a list) for packed steps")
-    return _packed_sdpa(q, k_cache, v_cache, block_tables, host_lens, host_cu, scale)
+    return _packed_sdpa(q, k_cache, v_cache, meta.block_tables, host_lens, host_cu, scale)
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, blocks: int) -> torch.Tensor:

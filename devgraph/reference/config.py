@@ -49,7 +49,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
-# Spellings accepted for ``dtype`` in :meth:`ReferenceConfig.preset` overrides (e.g. from a CLI flag).
+# Spellings accepted for ``dtype`` in :meth:`ReferenceConfig.preset` overrides (a command-line argument's).
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -140,8 +140,8 @@ class ReferenceConfig:
                 "ReferenceConfig.rope_theta and rms_eps must be > 0, "
                 f"got {self.rope_theta!r} and {self.rms_eps!r}"
             )
-        flags = {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "tie_embeddings": self.tie_embeddings}
-        for name, value in flags.items():
+        switches = {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "tie_embeddings": self.tie_embeddings}
+        for name, value in switches.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"ReferenceConfig.{name} must be True or False, got {value!r}")
         if not isinstance(self.rope_scaling, RopeScaling):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -19,10 +20,12 @@ __all__ = [
     "ReferenceModel",
     "RMSNorm",
     "DecoderLayer",
+    "LayerPart",
     "WEIGHT_INITS",
     "decoder_rope_tables",
     "draw_weight",
     "rotate",
+    "whole_layer",
 ]
 
 #: How a model's weights start: ``random`` (drawn from the seed) or ``empty`` (allocated, not written:
@@ -94,67 +97,97 @@ def decoder_rope_tables(config: ReferenceConfig, device: torch.device) -> tuple[
     )
 
 
+@dataclass(frozen=True)
+class LayerPart:
+    """What one process holds of a decoder layer: its query and KV heads and their projections, and its
+    slice of the MLP. On one device that is the whole layer (:func:`whole_layer`); under tensor
+    parallelism one rank's heads and slice (:class:`~devgraph.reference.tp.TPDecoderLayer`), the only
+    difference besides :meth:`DecoderLayer.reduce`."""
+
+    num_heads: int
+    num_kv_heads: int
+    qkv_proj: nn.Parameter  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    o_proj: nn.Parameter  # [hidden, num_heads * head_dim]
+    gate_up_proj: nn.Parameter  # [2 * intermediate, hidden]: gate rows, then up rows
+    down_proj: nn.Parameter  # [hidden, intermediate]
+
+
+def whole_layer(
+    config: ReferenceConfig, generator: torch.Generator | None, device: torch.device
+) -> LayerPart:
+    """A whole layer's projections, drawn from ``generator`` in a fixed order (q/k/v, o, gate/up, down) so
+    a seed pins every weight; ``None`` leaves them unwritten for a loader (see :func:`draw_weight`)."""
+    c, dt = config, config.dtype
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return LayerPart(
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        qkv_proj=draw_weight(generator, (q_size + 2 * kv_size, c.hidden_size), c.hidden_size, device, dt),
+        o_proj=draw_weight(generator, (c.hidden_size, q_size), q_size, device, dt),
+        gate_up_proj=draw_weight(
+            generator, (2 * c.intermediate_size, c.hidden_size), c.hidden_size, device, dt
+        ),
+        down_proj=draw_weight(
+            generator, (c.hidden_size, c.intermediate_size), c.intermediate_size, device, dt
+        ),
+    )
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: GQA attention over this layer's paged KV cache, then a SwiGLU MLP.
 
     Queries and keys are one slice of the fused projection (``[N, H + KVH, D]``), normed per head
     (``qk_norm``) and rotated together: one set of elementwise kernels for both (one Triton kernel on a
     GPU: :mod:`devgraph.reference.fused`). ``generator=None`` leaves the projections unwritten for a
-    loader (see :func:`draw_weight`).
+    loader (see :func:`draw_weight`). ``part``: the heads and projections this process holds (default: the
+    whole layer, drawn from ``generator``); :meth:`reduce` sums the row-parallel projections' results over
+    the processes that hold the layer (nothing to sum on one device).
     """
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
     def __init__(
-        self, config: ReferenceConfig, generator: torch.Generator | None, device: torch.device
+        self,
+        config: ReferenceConfig,
+        generator: torch.Generator | None,
+        device: torch.device,
+        part: LayerPart | None = None,
     ) -> None:
         super().__init__()
         c, dt = config, config.dtype
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        part = part if part is not None else whole_layer(config, generator, device)
+        self.num_heads, self.num_kv_heads, self.head_dim = part.num_heads, part.num_kv_heads, c.head_dim
         self.attention, self.kernels = c.attention, c.kernels
         self.scale = c.head_dim**-0.5
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.fused = fused_kernels(c.kernels, device)
         self.rms_eps = c.rms_eps
         self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
         # Fused q/k/v and gate/up projections: fewer kernels per step, as in production engines.
-        self.qkv_proj = draw_weight(
-            generator, (q_size + 2 * kv_size, c.hidden_size), c.hidden_size, device, dt
-        )
-        self.qkv_bias = _zeros(q_size + 2 * kv_size, device, dt) if c.qkv_bias else None
+        self.qkv_proj = part.qkv_proj
+        self.qkv_bias = _zeros(part.qkv_proj.shape[0], device, dt) if c.qkv_bias else None
         # Qwen3's q_norm and k_norm as one per-head scale: rows 0..H-1 are q_norm's, the rest k_norm's.
-        heads = c.num_heads + c.num_kv_heads
+        heads = part.num_heads + part.num_kv_heads
         self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_eps, device=device, dtype=dt) if c.qk_norm else None
-        self.o_proj = draw_weight(generator, (c.hidden_size, q_size), q_size, device, dt)
+        self.o_proj = part.o_proj
         self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
-        self.gate_up_proj = draw_weight(
-            generator, (2 * c.intermediate_size, c.hidden_size), c.hidden_size, device, dt
-        )
-        self.down_proj = draw_weight(
-            generator, (c.hidden_size, c.intermediate_size), c.intermediate_size, device, dt
-        )
+        self.gate_up_proj = part.gate_up_proj
+        self.down_proj = part.down_proj
         # Zeros, not empty: NaN garbage in never-written slots must not reach a masked-out score.
         # Non-persistent so state_dict() holds only the weights.
-        cache_shape = (c.total_blocks, c.block_size, c.num_kv_heads, c.head_dim)
+        cache_shape = (c.total_blocks, c.block_size, part.num_kv_heads, c.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         if self.attention == "sdpa":
-            return sdpa_attention(
-                q,
-                k,
-                v,
-                self.k_cache,
-                self.v_cache,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.cu_seqlens_q,
-                self.scale,
-            )
+            return sdpa_attention(q, k, v, self.k_cache, self.v_cache, meta.tensors(), self.scale)
         return paged_attention(self.kernels, q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's result summed over the processes holding this layer: on one device
+        it is whole already (tensor parallelism all-reduces it)."""
+        return partial
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedMetadata
@@ -167,10 +200,10 @@ class DecoderLayer(nn.Module):
         scale = None if self.qk_norm is None else self.qk_norm.weight
         qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        attn = F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj)
+        attn = self.reduce(F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj))
         normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
         mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
-        return hidden + F.linear(mlp, self.down_proj)
+        return hidden + self.reduce(F.linear(mlp, self.down_proj))
 
 
 class ReferenceModel(nn.Module):

@@ -1,5 +1,5 @@
-"""``python -m devgraph.serve [flags]`` is ``devgraph serve [flags]``; ``python -m devgraph.serve bench
-[flags]`` is ``devgraph bench serve [flags]``."""
+"""``python -m devgraph.serve [arguments]`` is ``devgraph serve [arguments]``; ``python -m devgraph.serve
+bench [arguments]`` is ``devgraph bench serve [arguments]``."""
 
 import sys
 

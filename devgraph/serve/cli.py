@@ -395,8 +395,8 @@ def add_serve_commands(subparsers: Any) -> None:
 
 
 def serve_main(argv: Sequence[str]) -> int:
-    """``python -m devgraph.serve [flags]``: ``devgraph serve [flags]``; ``... bench [flags]``:
-    ``devgraph bench serve [flags]``."""
+    """``python -m devgraph.serve [arguments]``: ``devgraph serve [arguments]``; ``... bench [arguments]``:
+    ``devgraph bench serve [arguments]``."""
     parser = OneLineParser(prog="devgraph")
     add_serve_commands(parser.add_subparsers(dest="command", parser_class=OneLineParser))
     args = parse_command_line(

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from devgraph.contract.backend import DeviceGraphBackend
-from devgraph.contract.context import replay_flag
+from devgraph.contract.context import replaying
 from devgraph.contract.keys import GraphKey
 from devgraph.errors import CaptureError, ReplayError
 
@@ -116,7 +116,7 @@ class GraphStrategy(DeviceGraphBackend):
         return entry.replay()
 
     def runtime_session(self) -> contextlib.AbstractContextManager[None]:
-        return replay_flag()
+        return replaying()
 
     def release(self, key: GraphKey) -> None:
         entry = self._entries.pop(key, None)

@@ -23,8 +23,8 @@ import torch
 
 from devgraph.contract.breaks import fake_trace_mark, running_compiled, traced_with_default_fake
 from devgraph.errors import CaptureError, DevGraphError, RecompileError
+from devgraph.strategies.compile_time import StartupClock
 from devgraph.strategies.precompile import Precompiled, aot_compile
-from devgraph.strategies.startup import StartupClock
 
 __all__ = [
     "MAX_STATIC_COMPILES",

@@ -9,12 +9,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from devgraph.contract.breaks import BreakOp, break_handler
-from devgraph.contract.context import capture_flag
+from devgraph.contract.context import capturing
 from devgraph.contract.keys import GraphKey
 from devgraph.contract.modes import Strategy
 from devgraph.contract.platform import DeviceGraph, GraphPlatform
 from devgraph.strategies._base import GraphStrategy
-from devgraph.strategies.plan import BreakCall, SegmentedPlan
+from devgraph.strategies.segments import BreakCall, SegmentedPlan
 
 __all__ = ["BreakableBackend", "SegmentRecorder"]
 
@@ -58,7 +58,7 @@ class SegmentRecorder:
         breaks in capture order and one key at a time, so every alias is read before its memory is written
         again; at replay the op's fresh outputs are copied into these pool tensors, as at capture.
         """
-        with capture_flag(False):
+        with capturing(False):
             fresh = op.run_eager(args, kwargs) if isinstance(op, BreakOp) else op(*args, **kwargs)
         with self.platform.allocate_into(self.pool):
             outputs = pytree.tree_map(_pool_copy, fresh)
@@ -104,7 +104,7 @@ class BreakableBackend(GraphStrategy):
 
         try:
             recorder.begin_segment()
-            with break_handler(on_break), capture_flag():
+            with break_handler(on_break), capturing():
                 outputs = forward_fn()
             recorder.end_segment()
         except BaseException:

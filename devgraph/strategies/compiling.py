@@ -21,23 +21,30 @@ recompile after capture, and leave nothing behind when a runner closes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from abc import abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
+from devgraph.contract.inputs import StaticInput
+from devgraph.contract.keys import GraphKey
 from devgraph.contract.modes import Compiler
 from devgraph.contract.platform import Availability, GraphPlatform
 from devgraph.errors import ConfigError, RecompileError
 from devgraph.messages import shorten
+from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.adaptive import AdaptiveCompile
+from devgraph.strategies.inplace import keep_writes_in_place
 from devgraph.strategies.regions import RegionalForward, block_forward, repeated_block
 from devgraph.strategies.regions import describe as regional_describe
 
 __all__ = [
     "CompileSession",
+    "CompilingStrategy",
     "CompileTracker",
     "compile_forward",
     "dynamo_availability",
@@ -290,3 +297,64 @@ class CompileSession:
         if self.triton_cache is not None:
             out["triton_cache_dir"] = self.triton_cache
         return out
+
+
+class CompilingStrategy(GraphStrategy):
+    """A graph strategy that may run the forward through ``torch.compile``: the compile hooks every such
+    strategy shares, in one place. A subclass says how dynamo's graph becomes code
+    (:meth:`_compile_graph`) and wraps the forward (``self.compile.wrap``) in its ``wrap_forward``.
+
+    ``compiler`` is the options' compiler, else :attr:`default_compiler` (``None``: nothing is compiled
+    and every hook here does nothing); ``compile`` is the :class:`CompileSession` (the compiled forward,
+    its counters, the artifact cache).
+    """
+
+    #: The compiler used when the options name none (``None``: the plain forward unless one is asked for).
+    default_compiler: ClassVar[str | None] = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.compiler = check_compiler(self.options.compiler, self.name) or self.default_compiler
+        self.compile = CompileSession(self.name, self.options, self.platform)
+
+    @property
+    def compiles(self) -> int:
+        return self.compile.tracker.compiles
+
+    @property
+    def recompiles(self) -> int:
+        return self.compile.tracker.recompiles
+
+    def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
+        if self.compiler is not None:
+            self.compile.prepare(inputs, keys, self.compiler)
+
+    def _dynamo_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """What dynamo calls with each graph it traced: counted (a compile after capture is reported),
+        inductor's in-place writes kept, then :meth:`_compile_graph`."""
+        self.compile.tracker.compiled()
+        if self.compiler == Compiler.INDUCTOR.value:
+            self.compile.writes_in_place += keep_writes_in_place(gm)
+        return self._compile_graph(gm, example_inputs)
+
+    @abstractmethod
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """The code that runs dynamo's graph ``gm`` under this strategy's compiler."""
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any, *, shared_pool: bool = True) -> Iterator[None]:
+        with super().capture_session(stream, shared_pool=shared_pool):
+            yield
+        if self.compiler is not None:
+            # Save new artifacts; from here on a compile means a guard failed at run time: a bug to report.
+            self.compile.captured()
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        self.compile.reset()
+
+    def capture_notes(self) -> list[str]:
+        return self.compile.notes()
+
+    def describe(self) -> dict[str, Any]:
+        return {"compiler": self.compiler, **self.compile.describe()}

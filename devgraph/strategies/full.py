@@ -6,22 +6,19 @@ With a compiler set, each key is captured twice, compiled and plain, and the fas
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from devgraph.contract.context import capture_flag
-from devgraph.contract.inputs import StaticInput
+from devgraph.contract.context import capturing
 from devgraph.contract.keys import GraphKey
 from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import BackendUnavailableError
-from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.choice import (
     CompileChoice,
     Kept,
@@ -30,13 +27,7 @@ from devgraph.strategies.choice import (
     agreed_times,
     time_pair,
 )
-from devgraph.strategies.compiling import (
-    CompileSession,
-    check_compiler,
-    dynamo_availability,
-    inductor_compile,
-)
-from devgraph.strategies.inplace import keep_writes_in_place
+from devgraph.strategies.compiling import CompilingStrategy, dynamo_availability, inductor_compile
 
 __all__ = ["FullEntry", "FullGraphBackend"]
 
@@ -62,7 +53,7 @@ class FullEntry:
         return {"graphs": 1, "segments": 1, "break_ops": 0}
 
 
-class FullGraphBackend(GraphStrategy):
+class FullGraphBackend(CompilingStrategy):
     """Captures the entire forward, break ops included, as one graph per key.
 
     The fastest replay (one launch per step); every op in the forward, break ops too, must be capturable.
@@ -78,8 +69,6 @@ class FullGraphBackend(GraphStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.compiler = check_compiler(self.options.compiler, "full")
-        self.compile = CompileSession("full", self.options, self.platform)
         self.choice = CompileChoice(
             "full", keep_compiled=bool(self.options.extra.get("keep_compiled", False))
         )
@@ -106,26 +95,12 @@ class FullGraphBackend(GraphStrategy):
             forwards = self._forwards = PlainOrCompiled(forward, compiled)
         return forwards
 
-    def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
-        if self.compiler is not None:
-            self.compile.prepare(inputs, keys, self.compiler)
-
-    def _dynamo_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        self.compile.tracker.compiled()
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.compiler == Compiler.EAGER.value:
             return gm
-        self.compile.writes_in_place += keep_writes_in_place(gm)
         return inductor_compile(gm, example_inputs, self.options.inductor_mode)
 
     # -- capture ------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any, *, shared_pool: bool = True) -> Iterator[None]:
-        with super().capture_session(stream, shared_pool=shared_pool):
-            yield
-        if self.compiler is not None:
-            # Save new artifacts; from here on a compile means a guard failed at run time: a bug to report.
-            self.compile.captured()
-
     def _capture(self, key: GraphKey, forward_fn: Callable[[], Any]) -> FullEntry:
         forwards = self._forwards
         if self.compiler is None or forwards is None:
@@ -179,7 +154,7 @@ class FullGraphBackend(GraphStrategy):
         graph = platform.new_graph()
         platform.capture_begin(graph, self._pool)
         try:
-            with capture_flag():
+            with capturing():
                 # A compiled forward is captured whole, dynamo's own wrappers (input-mutation copies)
                 # included. dynamo cannot start a frame under the CPU simulator's dispatch mode, so there
                 # the call is recorded as one opaque step (on a device this just calls it).
@@ -196,13 +171,12 @@ class FullGraphBackend(GraphStrategy):
 
     def cleanup(self) -> None:
         super().cleanup()
-        self.compile.reset()
         self.choice.reset()
         if self._forwards is not None:
             self._forwards.forget()
 
     def capture_notes(self) -> list[str]:
-        return [*self.compile.notes(), *self.choice.notes()]
+        return [*super().capture_notes(), *self.choice.notes()]
 
     def describe_key(self, key: GraphKey) -> dict[str, Any]:
         out = super().describe_key(key)
@@ -212,7 +186,7 @@ class FullGraphBackend(GraphStrategy):
         return out
 
     def describe(self) -> dict[str, Any]:
-        out = {"compiler": self.compiler, **self.compile.describe()}
+        out = super().describe()
         if self.compiler is not None:
             out["compiled_or_plain"] = self.choice.describe()
         return out

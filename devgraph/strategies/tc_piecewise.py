@@ -9,28 +9,19 @@ itself as one graph segment into the shared pool and every break op is recorded,
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
 from devgraph.contract.breaks import is_break_target
-from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import GraphKey
 from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, GraphPlatform
-from devgraph.strategies._base import GraphStrategy
 from devgraph.strategies.breakable import SegmentRecorder
-from devgraph.strategies.compiling import (
-    CompileSession,
-    check_compiler,
-    dynamo_availability,
-    inductor_compile,
-)
-from devgraph.strategies.inplace import keep_writes_in_place
-from devgraph.strategies.plan import SegmentedPlan
+from devgraph.strategies.compiling import CompilingStrategy, dynamo_availability, inductor_compile
+from devgraph.strategies.segments import SegmentedPlan
 
 __all__ = ["TcPiecewiseBackend"]
 
@@ -117,7 +108,7 @@ class _BreakPiece(torch.nn.Module):
         return recorder.run_break(self.module, args, {})
 
 
-class TcPiecewiseBackend(GraphStrategy):
+class TcPiecewiseBackend(CompilingStrategy):
     """``torch.compile`` + piecewise graphs split at break ops.
 
     Options: ``compiler`` = ``eager`` (no code generation; fast to compile; the default) or ``inductor``
@@ -129,11 +120,10 @@ class TcPiecewiseBackend(GraphStrategy):
     name = Strategy.TC_PIECEWISE.value
     accepts_compiler = True
     runs_breaks_eagerly = True
+    default_compiler = Compiler.EAGER.value
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.compiler = check_compiler(self.options.compiler, "tc_piecewise") or Compiler.EAGER.value
-        self.compile = CompileSession("tc_piecewise", self.options, self.platform)
         self.num_pieces = 0
         self.num_breaks = 0
         self._recorder: SegmentRecorder | None = None
@@ -142,26 +132,12 @@ class TcPiecewiseBackend(GraphStrategy):
     def availability(cls, platform: GraphPlatform) -> Availability:
         return dynamo_availability(platform)
 
-    @property
-    def compiles(self) -> int:
-        return self.compile.tracker.compiles
-
-    @property
-    def recompiles(self) -> int:
-        return self.compile.tracker.recompiles
-
     # -- compilation --------------------------------------------------------------------------------
     def wrap_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         return self.compile.wrap(forward, self._dynamo_backend)
 
-    def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
-        self.compile.prepare(inputs, keys, self.compiler)
-
-    def _dynamo_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        self.compile.tracker.compiled()
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         inductor = self.compiler == Compiler.INDUCTOR.value
-        if inductor:
-            self.compile.writes_in_place += keep_writes_in_place(gm)
         split, pieces, breaks = _split_at_breaks(gm)
         examples = _piece_example_inputs(gm, split, pieces) if inductor else {}
         for name in pieces:
@@ -199,24 +175,5 @@ class TcPiecewiseBackend(GraphStrategy):
             self._recorder = None
         return recorder.finish(outputs)
 
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any, *, shared_pool: bool = True) -> Iterator[None]:
-        with super().capture_session(stream, shared_pool=shared_pool):
-            yield
-        # Save new artifacts; from here on a compile means a guard failed at run time: a bug to report.
-        self.compile.captured()
-
-    def cleanup(self) -> None:
-        super().cleanup()
-        self.compile.reset()
-
-    def capture_notes(self) -> list[str]:
-        return self.compile.notes()
-
     def describe(self) -> dict[str, Any]:
-        return {
-            "compiler": self.compiler,
-            **self.compile.describe(),
-            "pieces": self.num_pieces,
-            "break_ops": self.num_breaks,
-        }
+        return {**super().describe(), "pieces": self.num_pieces, "break_ops": self.num_breaks}

@@ -15,9 +15,9 @@ From pytest (the plug-in is registered through the ``pytest11`` entry point of d
 Each check (see :data:`CHECKS`) builds its own runner with a fresh instance of the backend on the
 platform's default device: static output addresses, padding rows, stale rows past the bucket, one
 execution per step, stale inputs, the eager fallback, break ops and the forward context, ``has_shape``,
-failed captures, ``release``/``cleanup``, capture errors, ``runtime_session`` flags, host-side inputs
-and ownership by one runner. The target is a registered ``PLATFORM:NAME``; plug-ins load as usual.
-docs/conformance.md says what each check proves and when a check may be skipped.
+failed captures, ``release``/``cleanup``, capture errors, ``is_replaying()`` under ``runtime_session``,
+host-side inputs and ownership by one runner. The target is a registered ``PLATFORM:NAME``; plug-ins load
+as usual. docs/conformance.md says what each check proves and when a check may be skipped.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Checks of what code around the graph sees: break ops and the live forward context, the replay flag,
-and host-side inputs."""
+"""Checks of what code around the graph sees: break ops and the live forward context, whether code
+runs replaying (``is_replaying()``), and host-side inputs."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ __all__ = ["OpCall", "context_scale", "op_calls", "clear_op_calls"]
 
 @dataclass(frozen=True)
 class OpCall:
-    """One Python-level call of :func:`context_scale`: the flags and the context factor it saw."""
+    """One Python-level call of :func:`context_scale`: whether it ran capturing or replaying, and the
+    context factor it saw."""
 
     replaying: bool
     capturing: bool

@@ -4,7 +4,7 @@ Each check builds its own runner(s) with a fresh instance of the target backend,
 default device, and raises :class:`CheckFailed` with what went wrong and what the contract says. The
 checks live by theme in ``_checks_data`` (what a replay computes and writes), ``_checks_lifecycle``
 (keys, failed captures, release, cleanup, ownership), ``_checks_keys`` (variants, lazily captured
-keys) and ``_checks_context`` (break ops, the replay flag,
+keys) and ``_checks_context`` (break ops, ``is_replaying()``,
 host inputs); docs/conformance.md says what each one proves.
 """
 

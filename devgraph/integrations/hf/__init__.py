@@ -7,7 +7,7 @@
 * :mod:`~devgraph.integrations.hf.cache`: one static cache sized once, with per-batch-size views.
 * :mod:`~devgraph.integrations.hf.support`: which models are refused and which ``generate()`` calls fall
   back to Hugging Face's own loop.
-* :mod:`~devgraph.integrations.hf.loop`: the decode loop handed to ``generate(custom_generate=...)``.
+* :mod:`~devgraph.integrations.hf.decode_loop`: the decode loop handed to ``generate(custom_generate=...)``.
 * :mod:`~devgraph.integrations.hf.fast`: the opt-in fast path (compiled regions, packed GQA, windows),
   built from :mod:`~devgraph.integrations.hf.regions` (the compiled functions) and
   :mod:`~devgraph.integrations.hf.patching` (the dispatchers installed in the model).

@@ -14,9 +14,9 @@ import torch
 
 from devgraph import CaptureReport, ConfigError, DeviceGraphConfig, GraphRunner, StaticInput
 from devgraph.integrations.hf.cache import SharedStaticCache
+from devgraph.integrations.hf.decode_loop import DecodeLoop
 from devgraph.integrations.hf.fast import DecodeRegions, FastPath, resolve_windows
 from devgraph.integrations.hf.lib import transformers
-from devgraph.integrations.hf.loop import DecodeLoop
 from devgraph.integrations.hf.support import (
     FALLBACK_REASONS,
     check_generate_kwargs,

@@ -15,7 +15,9 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from devgraph.errors import CaptureError
-from devgraph.platforms.sim.modes import (
+from devgraph.platforms.sim.device_memory import SIM_MEMORY, SimPool
+from devgraph.platforms.sim.device_rules import HOST_READ_CALLS, host_read_error, violation_error
+from devgraph.platforms.sim.dispatch_modes import (
     HostReadGuard,
     SimRecorder,
     keys_below_python,
@@ -27,8 +29,6 @@ from devgraph.platforms.sim.modes import (
     top_mode,
 )
 from devgraph.platforms.sim.ops import OpInfo, input_storages, op_info, storage_of, written_tensors
-from devgraph.platforms.sim.pool import SIM_MEMORY, SimPool
-from devgraph.platforms.sim.rules import HOST_READ_CALLS, host_read_error, violation_error
 from devgraph.platforms.sim.snapshots import StorageSnapshots
 from devgraph.platforms.sim.steps import Segment, Step, Target, op_step, opaque_step
 

@@ -3,8 +3,9 @@
 A :class:`SimGraph` behaves like a CUDA graph so that every graph strategy can be tested without a GPU:
 
 * Capture records each aten op dispatched on the capturing thread (through
-  :class:`~devgraph.platforms.sim.modes.SimRecorder`, a ``TorchDispatchMode``) with strong references to its
-  arguments and results. The op also runs, so that the Python code around it sees real values.
+  :class:`~devgraph.platforms.sim.dispatch_modes.SimRecorder`, a ``TorchDispatchMode``) with strong
+  references to its arguments and results. The op also runs, so that the Python code around it sees real
+  values.
 * Capture leaves no side effects on memory that existed before it, as a device capture (which records
   kernels without running them) leaves none: every storage that existed before ``capture_begin`` and
   that a recorded op writes (in-place ops, ``out=`` variants, ``copy_``, ``index_put_``, the mutated
@@ -24,9 +25,9 @@ A :class:`SimGraph` behaves like a CUDA graph so that every graph strategy can b
   writes undone at the end, like any other), so Python state it read at capture (the forward context,
   a host scalar) is baked into the graph. A custom op with a C++ kernel is recorded, and re-run, as one
   op; of its writes only those its schema declares are undone.
-* Capture enforces the device rules (:mod:`devgraph.platforms.sim.rules`): an op that syncs with the host
-  (``.item()``, ``.tolist()``, ``bool(t)``, ``torch.equal``) or whose output shape depends on tensor
-  data (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing) raises
+* Capture enforces the device rules (:mod:`devgraph.platforms.sim.device_rules`): an op that syncs with
+  the host (``.item()``, ``.tolist()``, ``bool(t)``, ``torch.equal``) or whose output shape depends on
+  tensor data (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing) raises
   :class:`~devgraph.errors.CaptureError`, as does a capture nested in another.
 
 Limits of the undo: calls recorded whole through :func:`record_opaque` (compiled code the simulator
@@ -38,9 +39,9 @@ restores its bytes but not its new shape. The copies cost, for the length of a c
 each older storage the capture writes.
 
 The parts: :mod:`~devgraph.platforms.sim.capture` (the capture in progress),
-:mod:`~devgraph.platforms.sim.modes` (the dispatch modes and the per-thread mode stacks),
+:mod:`~devgraph.platforms.sim.dispatch_modes` (the dispatch modes and the per-thread mode stacks),
 :mod:`~devgraph.platforms.sim.ops` (op facts), :mod:`~devgraph.platforms.sim.snapshots` (the undo),
-:mod:`~devgraph.platforms.sim.steps` (replay steps) and :mod:`~devgraph.platforms.sim.pool` (memory
+:mod:`~devgraph.platforms.sim.steps` (replay steps) and :mod:`~devgraph.platforms.sim.device_memory` (memory
 accounting).
 """
 
@@ -55,8 +56,8 @@ import torch
 
 from devgraph.errors import CaptureError, ReplayError
 from devgraph.platforms.sim.capture import Capture, capture_state, settle_failed
-from devgraph.platforms.sim.modes import SimRecorder, mode_state
-from devgraph.platforms.sim.pool import SimPool, reserved_bytes
+from devgraph.platforms.sim.device_memory import SimPool, reserved_bytes
+from devgraph.platforms.sim.dispatch_modes import SimRecorder, mode_state
 from devgraph.platforms.sim.steps import Segment, Step
 
 __all__ = [

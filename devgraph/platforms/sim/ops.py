@@ -14,7 +14,7 @@ try:  # torch >= 2.4: ops made by torch.library.custom_op, whose kernel is a Pyt
 except ImportError:  # pragma: no cover - older torch: every custom op is recorded as one op
     _maybe_get_opdef = None  # type: ignore[assignment]
 
-from devgraph.platforms.sim.rules import Rule, rule_for
+from devgraph.platforms.sim.device_rules import Rule, rule_for
 
 __all__ = [
     "OpInfo",

@@ -15,7 +15,7 @@ from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
 from devgraph.errors import CaptureError
 from devgraph.messages import CAUSE_ATTRIBUTE, capture_oom
 from devgraph.platforms.sim import graph as _sim
-from devgraph.platforms.sim.pool import SIM_MEMORY
+from devgraph.platforms.sim.device_memory import SIM_MEMORY
 
 __all__ = ["CpuSimPlatform", "SimStream"]
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from devgraph import get_forward_context, graph_break
 from devgraph.reference.kernels import attention_backend, torch_ref
+from devgraph.reference.kernels.interface import attention_fake
 
 __all__ = ["IMAGE_ATTENTION_OP_NAME", "image_sdpa", "varlen_image_attention"]
 
@@ -37,13 +38,7 @@ def _host_boundaries(windowed: bool) -> list | None:
     return value if isinstance(value, list) else None
 
 
-def _fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-@graph_break(IMAGE_ATTENTION_OP_NAME, fake=_fake)
+@graph_break(IMAGE_ATTENTION_OP_NAME, fake=attention_fake)
 def image_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, windowed: bool
 ) -> torch.Tensor:

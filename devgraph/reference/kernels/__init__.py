@@ -9,12 +9,13 @@ The contract (``k_cache``/``v_cache [num_blocks, block_size, KVH, D]``, block_si
 
 * ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: token ``i`` of ``k``/``v [T, KVH, D]`` goes to
   slot ``slot_mapping[i]`` (``[T]``); a negative slot writes nothing.
-* ``paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale) -> [R, H, D]``: one
-  query per request (``q [R, H, D]``, ``block_tables [R, max_blocks]`` int32, ``seq_lens [R]`` int32,
-  the current token included); ``seq_lens[r] == 0`` gives a zero row.
-* ``paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale) ->
-  [T, H, D]``: packed queries (``cu_seqlens_q [R + 1]``), a cached prefix, causal; ``seq_lens`` includes
-  the new tokens; tokens at or past ``cu_seqlens_q[-1]`` give zero rows.
+* ``paged_decode_attention(q, k_cache, v_cache, meta, scale) -> [R, H, D]``: one query per request
+  (``q [R, H, D]``; of the step's :class:`PagedMetadata` ``meta`` it reads ``block_tables [R,
+  max_blocks]`` int32 and ``seq_lens [R]`` int32, the current token included); ``seq_lens[r] == 0`` gives
+  a zero row.
+* ``paged_prefill_attention(q, k_cache, v_cache, meta, scale) -> [T, H, D]``: packed queries
+  (``meta.cu_seqlens_q [R + 1]``), a cached prefix, causal; ``meta.seq_lens`` includes the new tokens;
+  tokens at or past ``cu_seqlens_q[-1]`` give zero rows.
 * ``varlen_attention(q, k, v, cu_seqlens, scale, causal=False) -> [T, H, D]``: block-diagonal
   attention over packed segments without a cache; tokens at or past ``cu_seqlens[-1]`` give zero rows.
 
@@ -22,27 +23,25 @@ GQA everywhere: query head ``h`` reads kv head ``h // (H // KVH)``. Outputs are 
 dtype. Block-table entries past a request's length are never read by the Triton kernels and are
 clamped by the reference, so engines may leave them stale.
 
-``attention_backend("triton" | "torch" | "auto")`` returns the four functions of one backend; triton is
-imported only when asked for (``available_backends()`` says whether it imports here). The reference
-functions themselves live in ``devgraph.reference.kernels.torch_ref``.
+The paged metadata and the signatures are declared once, in ``devgraph.reference.kernels.interface``
+(with the argument checks every backend runs). ``attention_backend("triton" | "torch" | "auto")`` returns
+the four functions of one backend; triton is imported only when asked for (``available_backends()`` says
+whether it imports here). The reference functions themselves live in ``devgraph.reference.kernels.torch_ref``.
 """
 
 from devgraph.reference.kernels.backends import (
     BACKEND_NAMES,
     AttentionKernels,
-    DecodeAttention,
-    PrefillAttention,
-    VarlenAttention,
-    WriteKV,
     attention_backend,
     available_backends,
 )
+from devgraph.reference.kernels.interface import PagedAttention, PagedMetadata, VarlenAttention, WriteKV
 
 __all__ = [
     "BACKEND_NAMES",
     "AttentionKernels",
-    "DecodeAttention",
-    "PrefillAttention",
+    "PagedAttention",
+    "PagedMetadata",
     "VarlenAttention",
     "WriteKV",
     "attention_backend",

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -19,14 +19,12 @@ from devgraph import BackendUnavailableError, ConfigError
 from devgraph.extras import install_hint, missing_extra
 from devgraph.messages import shorten
 from devgraph.reference.kernels import torch_ref
+from devgraph.reference.kernels.interface import PagedAttention, VarlenAttention, WriteKV
 
 __all__ = [
     "BACKEND_NAMES",
+    "KERNEL_FUNCTIONS",
     "AttentionKernels",
-    "DecodeAttention",
-    "PrefillAttention",
-    "VarlenAttention",
-    "WriteKV",
     "attention_backend",
     "available_backends",
     "auto_fallback_note",
@@ -36,72 +34,26 @@ __all__ = [
 BACKEND_NAMES: tuple[str, ...] = ("auto", "triton", "torch")
 
 
-class WriteKV(Protocol):
-    def __call__(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
-
-
-class DecodeAttention(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-
-class PrefillAttention(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-
-class VarlenAttention(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        scale: float,
-        causal: bool = False,
-    ) -> torch.Tensor: ...
-
-
 @dataclass(frozen=True)
 class AttentionKernels:
     """The four functions of the attention contract, from one backend (see the package docstring)."""
 
     name: str
     write_kv: WriteKV
-    paged_decode_attention: DecodeAttention
-    paged_prefill_attention: PrefillAttention
+    paged_decode_attention: PagedAttention
+    paged_prefill_attention: PagedAttention
     varlen_attention: VarlenAttention
 
+    @classmethod
+    def of_module(cls, name: str, module: Any) -> AttentionKernels:
+        """The backend whose functions are ``module``'s of the same names."""
+        return cls(name, **{function: getattr(module, function) for function in KERNEL_FUNCTIONS})
 
-_TORCH = AttentionKernels(
-    name="torch",
-    write_kv=torch_ref.write_kv,
-    paged_decode_attention=torch_ref.paged_decode_attention,
-    paged_prefill_attention=torch_ref.paged_prefill_attention,
-    varlen_attention=torch_ref.varlen_attention,
-)
+
+#: The functions every backend offers (:mod:`devgraph.reference.kernels.interface` has their signatures).
+KERNEL_FUNCTIONS: tuple[str, ...] = tuple(f.name for f in fields(AttentionKernels) if f.name != "name")
+
+_TORCH = AttentionKernels.of_module("torch", torch_ref)
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,13 +63,7 @@ def _load_triton() -> AttentionKernels | ImportError:
         ops = importlib.import_module("devgraph.reference.kernels.triton_ops")
     except ImportError as error:  # triton missing, or an install that does not import
         return error
-    return AttentionKernels(
-        name="triton",
-        write_kv=ops.write_kv,
-        paged_decode_attention=ops.paged_decode_attention,
-        paged_prefill_attention=ops.paged_prefill_attention,
-        varlen_attention=ops.varlen_attention,
-    )
+    return AttentionKernels.of_module("triton", ops)
 
 
 def available_backends() -> tuple[str, ...]:
@@ -158,54 +104,18 @@ def _pick(tensor: torch.Tensor) -> AttentionKernels:
     return _TORCH
 
 
-def _auto_write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    _pick(k_cache).write_kv(k, v, k_cache, v_cache, slot_mapping)
+def _per_call(function: str) -> Any:
+    """``auto``'s ``function``: the one of the backend :func:`_pick` chooses by its first tensor argument
+    (the kernels' checks hold every tensor of a call to one device)."""
+
+    def call(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return getattr(_pick(first), function)(first, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = function
+    return call
 
 
-def _auto_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return _pick(q).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-
-
-def _auto_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    kernels = _pick(q)
-    return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-
-
-def _auto_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    causal: bool = False,
-) -> torch.Tensor:
-    return _pick(q).varlen_attention(q, k, v, cu_seqlens, scale, causal)
-
-
-_AUTO = AttentionKernels(
-    name="auto",
-    write_kv=_auto_write_kv,
-    paged_decode_attention=_auto_decode,
-    paged_prefill_attention=_auto_prefill,
-    varlen_attention=_auto_varlen,
-)
+_AUTO = AttentionKernels("auto", **{function: _per_call(function) for function in KERNEL_FUNCTIONS})
 
 
 def attention_backend(name: str) -> AttentionKernels:

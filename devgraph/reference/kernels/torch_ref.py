@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from devgraph.reference.kernels.checks import check_decode, check_prefill, check_varlen, check_write
+from devgraph.reference.kernels.interface import (
+    PagedMetadata,
+    check_decode,
+    check_prefill,
+    check_varlen,
+    check_write,
+)
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "varlen_attention", "write_kv"]
 
@@ -89,19 +95,16 @@ def _token_segments(
 
 
 def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, scale: float
 ) -> torch.Tensor:
     """One query token per request over its paged cache, positions ``0 .. seq_lens[r] - 1``.
 
-    ``q [R, H, D]``, ``block_tables [R, max_blocks]``, ``seq_lens [R]``; returns ``[R, H, D]`` in q's dtype.
-    A request with ``seq_lens[r] == 0`` gives a zero row. GQA: head ``h`` reads kv head ``h // (H // KVH)``.
+    ``q [R, H, D]``, ``meta.block_tables [R, max_blocks]``, ``meta.seq_lens [R]``; returns ``[R, H, D]`` in
+    q's dtype. A request with ``seq_lens[r] == 0`` gives a zero row. GQA: head ``h`` reads kv head
+    ``h // (H // KVH)``.
     """
-    check_decode(q, k_cache, v_cache, block_tables, seq_lens)
+    check_decode(q, k_cache, v_cache, meta)
+    block_tables, seq_lens = meta.block_tables, meta.seq_lens
     requests, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     keys = _gather_pages(k_cache, block_tables)  # [R, P, KVH, D]
@@ -117,13 +120,7 @@ def paged_decode_attention(
 
 
 def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, scale: float
 ) -> torch.Tensor:
     """Packed variable-length queries over a paged cache with a cached prefix (chunked prefill, verify).
 
@@ -136,7 +133,8 @@ def paged_prefill_attention(
     scores all ``T`` queries against one request's keys and keeps the rows of that request, which bounds
     memory to ``[T, H, max_blocks * block_size]``.
     """
-    check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    cu_seqlens_q = check_prefill(q, k_cache, v_cache, meta)
+    block_tables, seq_lens = meta.block_tables, meta.seq_lens
     tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     requests = block_tables.shape[0]

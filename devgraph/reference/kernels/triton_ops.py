@@ -18,7 +18,13 @@ import torch
 
 from devgraph import InputError
 from devgraph.reference.kernels import torch_ref
-from devgraph.reference.kernels.checks import check_decode, check_prefill, check_varlen, check_write
+from devgraph.reference.kernels.interface import (
+    PagedMetadata,
+    check_decode,
+    check_prefill,
+    check_varlen,
+    check_write,
+)
 from devgraph.reference.kernels.triton_kernels import (
     decode_reduce_kernel,
     decode_split_kernel,
@@ -160,18 +166,18 @@ def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    meta: PagedMetadata,
     scale: float,
     *,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Triton ``paged_decode_attention`` (split-K flash decoding); ``config`` overrides the launch."""
-    check_decode(q, k_cache, v_cache, block_tables, seq_lens)
+    check_decode(q, k_cache, v_cache, meta)
+    block_tables, seq_lens = meta.block_tables, meta.seq_lens
     requests, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if not _kernel_covers(q, k_cache, kv_heads):
-        return torch_ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return torch_ref.paged_decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty((requests, heads, head_dim), device=q.device, dtype=q.dtype)
     if requests == 0:
         return out
@@ -309,26 +315,22 @@ def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
+    meta: PagedMetadata,
     scale: float,
     *,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Triton ``paged_prefill_attention`` (flash attention over packed queries, causal, cached prefix)."""
-    check_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    cu_seqlens_q = check_prefill(q, k_cache, v_cache, meta)
     if not _kernel_covers(q, k_cache, k_cache.shape[2]):
-        return torch_ref.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale
-        )
+        return torch_ref.paged_prefill_attention(q, k_cache, v_cache, meta, scale)
     return _flash(
         q,
         k_cache,
         v_cache,
         cu_seqlens_q,
-        seq_lens,
-        block_tables,
+        meta.seq_lens,
+        meta.block_tables,
         scale,
         paged=True,
         causal=True,

@@ -22,13 +22,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from devgraph import ConfigError
-from devgraph.reference.attention import PagedMetadata
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.fused import add_rms_norm, fused_kernels, qk_norm_rope, silu_mul
-from devgraph.reference.model import DecoderLayer, ReferenceModel, RMSNorm, decoder_rope_tables
+from devgraph.reference.fused import fused_kernels
+from devgraph.reference.model import (
+    WEIGHT_INITS,
+    DecoderLayer,
+    LayerPart,
+    ReferenceModel,
+    RMSNorm,
+    decoder_rope_tables,
+)
 from devgraph.reference.tp.comm import TPComm
 
-__all__ = ["TPDecoderLayer", "TPReferenceModel"]
+__all__ = ["TPDecoderLayer", "TPReferenceModel", "rank_part"]
 
 # Draws a full weight of ``shape`` with fan-in ``fan_in`` (float32), in the single-device model's order.
 Draw = Callable[[tuple[int, ...], int], torch.Tensor]
@@ -59,70 +65,46 @@ def _part(total: int, rank: int, size: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
+def rank_part(config: ReferenceConfig, draw: Draw, rank: int, size: int, device: torch.device) -> LayerPart:
+    """Rank ``rank``'s part of one layer (of ``size``): its query heads, its KV heads and its slice of the
+    MLP, cut from the full weights ``draw`` gives in the single-device model's order (q/k/v, o, gate/up,
+    down). The fused q/k/v and gate/up projections are column-parallel (this rank's rows of each part),
+    ``o_proj`` and ``down_proj`` row-parallel (this rank's columns)."""
+    c, dt = config, config.dtype
+    q_full, kv_full = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def keep(weight: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(weight.contiguous().to(device=device, dtype=dt), requires_grad=False)
+
+    q, k, v = draw((q_full + 2 * kv_full, c.hidden_size), c.hidden_size).split((q_full, kv_full, kv_full))
+    heads, kv_heads = _part(q_full, rank, size), _part(kv_full, rank, size)
+    qkv = torch.cat([q[heads], k[kv_heads], v[kv_heads]])
+    o_proj = draw((c.hidden_size, q_full), q_full)[:, heads]
+    gate, up = draw((2 * c.intermediate_size, c.hidden_size), c.hidden_size).chunk(2)
+    mlp = _part(c.intermediate_size, rank, size)
+    down = draw((c.hidden_size, c.intermediate_size), c.intermediate_size)[:, mlp]
+    return LayerPart(
+        num_heads=c.num_heads // size,
+        num_kv_heads=c.num_kv_heads // size,
+        qkv_proj=keep(qkv),
+        o_proj=keep(o_proj),
+        gate_up_proj=keep(torch.cat([gate[mlp], up[mlp]])),
+        down_proj=keep(down),
+    )
+
+
 class TPDecoderLayer(DecoderLayer):
-    """A :class:`DecoderLayer` holding one rank's heads and MLP slice; all-reduces after ``o_proj`` and
-    ``down_proj``. Attention (``paged`` or ``sdpa``) is the single-device layer's, over local heads."""
+    """A :class:`DecoderLayer` holding one rank's heads and MLP slice (:func:`rank_part`); its
+    :meth:`reduce` all-reduces after ``o_proj`` and ``down_proj``. Everything else, attention (``paged``
+    or ``sdpa``, over the local heads) and the forward included, is the single-device layer's."""
 
     def __init__(self, config: ReferenceConfig, draw: Draw, comm: TPComm, device: torch.device) -> None:
-        nn.Module.__init__(self)  # weights come sharded from `draw`, not from DecoderLayer's own draws
-        c, dt = config, config.dtype
-        rank, size = comm.rank, comm.world_size
+        part = rank_part(config, draw, comm.rank, comm.world_size, device)
+        super().__init__(config, None, device, part)
         self.comm = comm
-        self.num_heads, self.num_kv_heads = c.num_heads // size, c.num_kv_heads // size
-        self.head_dim = c.head_dim
-        self.attention, self.kernels = c.attention, c.kernels
-        self.scale = c.head_dim**-0.5
-        q_full, kv_full = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q_size, kv_size = q_full // size, kv_full // size
-        self.split_sizes = (q_size, kv_size, kv_size)
-        self.fused = fused_kernels(c.kernels, device)
-        self.rms_eps = c.rms_eps
-        # Biases start at zero and norm scales at one (as DecoderLayer's): this rank's rows, nothing drawn.
-        local_qkv = q_full // size + 2 * (kv_full // size)
-        self.qkv_bias = (
-            nn.Parameter(torch.zeros(local_qkv, device=device, dtype=dt), requires_grad=False)
-            if c.qkv_bias
-            else None
-        )
-        heads = self.num_heads + self.num_kv_heads  # this rank's query heads, then its KV heads
-        self.qk_norm = RMSNorm((heads, c.head_dim), c.rms_eps, device=device, dtype=dt) if c.qk_norm else None
-        self.input_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt, fused=self.fused)
-        self.post_attention_norm = RMSNorm(c.hidden_size, c.rms_eps, device=device, dtype=dt)
 
-        def keep(weight: torch.Tensor) -> nn.Parameter:
-            return nn.Parameter(weight.contiguous().to(device=device, dtype=dt), requires_grad=False)
-
-        # Same draw order as DecoderLayer: qkv, o, gate_up, down.
-        qkv = draw((q_full + 2 * kv_full, c.hidden_size), c.hidden_size)
-        q, k, v = qkv.split((q_full, kv_full, kv_full))
-        self.qkv_proj = keep(
-            torch.cat(
-                [q[_part(q_full, rank, size)], k[_part(kv_full, rank, size)], v[_part(kv_full, rank, size)]]
-            )
-        )
-        self.o_proj = keep(draw((c.hidden_size, q_full), q_full)[:, _part(q_full, rank, size)])
-        gate, up = draw((2 * c.intermediate_size, c.hidden_size), c.hidden_size).chunk(2)
-        mlp = _part(c.intermediate_size, rank, size)
-        self.gate_up_proj = keep(torch.cat([gate[mlp], up[mlp]]))
-        self.down_proj = keep(draw((c.hidden_size, c.intermediate_size), c.intermediate_size)[:, mlp])
-        cache_shape = (c.total_blocks, c.block_size, self.num_kv_heads, c.head_dim)
-        self.register_buffer("k_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(cache_shape, device=device, dtype=dt), persistent=False)
-
-    def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PagedMetadata
-    ) -> torch.Tensor:
-        n = hidden.shape[0]
-        # Heads first, then split (as the single-device layer): no view guard, one compile for every n.
-        qkv = F.linear(self.input_norm(hidden), self.qkv_proj, self.qkv_bias).view(n, -1, self.head_dim)
-        qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        scale = None if self.qk_norm is None else self.qk_norm.weight
-        qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        attn = self.comm.all_reduce(F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj))
-        normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
-        mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
-        return hidden + self.comm.all_reduce(F.linear(mlp, self.down_proj))
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(partial)
 
 
 class TPReferenceModel(ReferenceModel):
@@ -164,8 +146,8 @@ class TPReferenceModel(ReferenceModel):
                 f"tensor parallelism over {size} ranks needs {', '.join(bad)} divisible by {size}; "
                 "pick a tensor-parallel size that divides them"
             )
-        if weights not in ("random", "empty"):
-            raise ConfigError(f"weights={weights!r} is unknown; accepted: random, empty")
+        if weights not in WEIGHT_INITS:
+            raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
         # "empty": shapes only, every weight filled later (a checkpoint loader slices each rank's part).
         draw = _drawer(seed, device, exact_weights) if weights == "random" else _empty(device)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)

@@ -65,7 +65,7 @@ class GraphSet:
         #: Runs the next capture's first warm-up under the address guard's observation (then unset).
         self.observe: Callable[[GraphKey, Mapping[str, Any]], bool] | None = None
         #: Wraps the plan's capture context so that each capture notes the host values it reads (the
-        #: address guard's value check, devgraph.runner.guard.values).
+        #: address guard's value check, devgraph.runner.guard.host_values).
         self.wrap_context: Callable[[Any], Any] | None = None
         self.lazy = LazyGraphs(
             plan.capture.lazy_policy,

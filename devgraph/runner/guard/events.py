@@ -69,21 +69,25 @@ def _on_registration(module: nn.Module, name: str, value: Any) -> None:
         _bump()
 
 
+def _data_ptr(storage: torch.UntypedStorage) -> int | None:
+    """Where ``storage``'s memory is, or ``None`` for one without memory to point at: the meta storages of
+    the fake tensors torch.compile traces with (their ``data_ptr()`` raises)."""
+    if storage.device.type == "meta":
+        return None
+    try:
+        return storage.data_ptr()
+    except RuntimeError:  # a functional or other wrapper storage: nothing a graph could have captured
+        return None
+
+
 def _wrap_storage_resize() -> None:
     """Count a storage resized to other memory (its data pointer changed) as an event."""
     resize = torch.UntypedStorage.resize_
 
     def resize_(self: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
-        # Storages without memory (meta, fake and functional tensors': torch.compile resizes those while
-        # it traces) have no address to watch and raise on data_ptr(): pass them straight through.
-        if self.device.type == "meta":
-            return resize(self, size)
-        try:
-            before = self.data_ptr()
-        except RuntimeError:
-            return resize(self, size)
+        before = _data_ptr(self)
         result = resize(self, size)
-        if self.data_ptr() != before:
+        if before is not None and _data_ptr(self) != before:
             _bump()
         return result
 

@@ -24,8 +24,8 @@ from devgraph.contract.keys import GraphKey
 from devgraph.errors import CaptureError, ReplayError
 from devgraph.messages import ADVICE_ATTRIBUTE, CAUSE_ATTRIBUTE
 from devgraph.runner.guard import events
+from devgraph.runner.guard.host_values import SANITIZE_ENV, HostValues
 from devgraph.runner.guard.reach import KEPT, NOT_FOLLOWED, SLOT, Link, Place, Reach
-from devgraph.runner.guard.values import SANITIZE_ENV, HostValues
 
 __all__ = ["AddressGuard", "Watched"]
 

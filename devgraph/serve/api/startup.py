@@ -6,8 +6,8 @@ logged at INFO), so a log shows where start-up is and where its seconds went:
 
 1. :func:`open_source`: ``--model`` (a preset or a checkpoint directory: config, tokenizer and
    generation config read, refused with every reason when the checkpoint is not servable);
-2. the model's config with the flags applied, then the KV cache checked against free memory (less the
-   weights still to load) and against the warm-up, before anything is allocated;
+2. the model's config with the command-line arguments applied, then the KV cache checked against free
+   memory (less the weights still to load) and against the warm-up, before anything is allocated;
 3. the weights: drawn (preset) or loaded tensor by tensor (checkpoint);
 4. the graphs: the engine's runners capture (``Engine(capture=True)``);
 5. the warm-up requests (in ``server.py``, which then listens).
@@ -108,7 +108,7 @@ def _batch_limits(
     args: argparse.Namespace, defaults: dict[str, Any], device: torch.device
 ) -> tuple[int, int]:
     """``--max-running-requests`` and ``--token-budget`` (defaults filled in); :class:`ConfigError` naming
-    the flags, and the values that work, when a step could not hold every running request."""
+    the arguments, and the values that work, when a step could not hold every running request."""
     running = args.max_running_requests or defaults["max_running_requests"]
     budget = args.token_budget or max(defaults["token_budget"], running)
     if budget < running:
@@ -129,7 +129,7 @@ def build_engine(
     group: Any = None,
     engine_class: Callable[..., Engine] = Engine,
 ) -> Engine:
-    """The model and engine the flags describe, graphs captured. Logs each start-up stage (model and KV
+    """The model and engine the arguments describe, graphs captured. Logs each start-up stage (model and KV
     cache, the weights, each graph captured, the capture table) at INFO, so a log shows where start-up
     is; ``startup`` (if given) gets each stage's seconds. ``group``: a tensor-parallel process group (the
     model is this rank's shard; ``engine_class`` builds rank 0's engine)."""
@@ -222,7 +222,7 @@ def build_engine(
     return engine
 
 
-#: The flag that sets each phase's largest step (the size its runner always captures).
+#: The command-line argument that sets each phase's largest step (the size its runner always captures).
 _LARGEST_STEP = {"decode": "--max-running-requests", "prefill": "--token-budget"}
 
 
@@ -348,7 +348,7 @@ def check_kv_memory(
     loading: int = 0,
     shards: int = 1,
 ) -> None:
-    """:class:`ConfigError` (one line: the size and the flags that lower it) when the KV cache would take
+    """:class:`ConfigError` (one line: the size and the arguments that lower it) when the KV cache would take
     more than :data:`KV_MEMORY_SHARE` of ``free_bytes`` less ``loading`` (weights still to load); nothing
     when the free memory is unknown."""
     if free_bytes is None:

@@ -15,7 +15,7 @@ Taken on both routes:
 * ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_whitespace_pattern``,
   ``guided_decoding_backend`` (vLLM before 0.12; older clients still send them): the same constraints.
 
-At most one constraint per request. Sizes are checked here (``structured/limits.py``); compiling, and
+At most one constraint per request. Sizes are checked here (``structured/work_limits.py``); compiling, and
 what the grammar library says about the text, happen in :func:`attach_grammar`.
 """
 
@@ -30,7 +30,7 @@ from devgraph import BackendUnavailableError, ConfigError
 from devgraph.messages import shorten
 from devgraph.serve.api.fields import Generation
 from devgraph.serve.api.protocol import ApiError
-from devgraph.serve.structured import limits
+from devgraph.serve.structured import work_limits
 from devgraph.serve.structured.compiler import GrammarCompiler, GrammarError, GrammarRefused
 from devgraph.serve.structured.spec import GrammarKind, GrammarSpec, Whitespace
 
@@ -164,7 +164,7 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
 
 def _spec(kind: GrammarKind, value: Any, param: str, **options: Any) -> GrammarSpec:
     """A checked spec of ``kind`` from the request's ``value`` (400 naming ``param``)."""
-    limit = limits.MAX_SOURCE_CHARS[kind]
+    limit = work_limits.MAX_SOURCE_CHARS[kind]
     if kind is GrammarKind.JSON_SCHEMA:
         schema = value
         if isinstance(value, str):
@@ -177,9 +177,11 @@ def _spec(kind: GrammarKind, value: Any, param: str, **options: Any) -> GrammarS
             raise ApiError(
                 400, f"{param}: a JSON schema must be an object, got {shorten(schema)}", param=param
             )
-        if _depth(schema) > limits.MAX_SCHEMA_DEPTH:
+        if _depth(schema) > work_limits.MAX_SCHEMA_DEPTH:
             raise ApiError(
-                400, f"{param}: the schema nests deeper than {limits.MAX_SCHEMA_DEPTH} levels", param=param
+                400,
+                f"{param}: the schema nests deeper than {work_limits.MAX_SCHEMA_DEPTH} levels",
+                param=param,
             )
         spec = GrammarSpec.json_schema(schema, **options)
         if len(spec.source) > limit:
@@ -189,13 +191,13 @@ def _spec(kind: GrammarKind, value: Any, param: str, **options: Any) -> GrammarS
         if (
             not isinstance(value, list)
             or not value
-            or len(value) > limits.MAX_CHOICES
-            or not all(isinstance(c, str) and 0 < len(c) <= limits.MAX_CHOICE_CHARS for c in value)
+            or len(value) > work_limits.MAX_CHOICES
+            or not all(isinstance(c, str) and 0 < len(c) <= work_limits.MAX_CHOICE_CHARS for c in value)
         ):
             raise ApiError(
                 400,
-                f"{param}: choices must be a list of 1 to {limits.MAX_CHOICES} non-empty strings of at most "
-                f"{limits.MAX_CHOICE_CHARS} characters",
+                f"{param}: choices must be a list of 1 to {work_limits.MAX_CHOICES} non-empty strings of at "
+                f"most {work_limits.MAX_CHOICE_CHARS} characters",
                 param=param,
             )
         return GrammarSpec.choice(value)
@@ -224,7 +226,7 @@ def _depth(value: Any) -> int:
         else:
             continue
         deepest = max(deepest, depth)
-        if deepest > limits.MAX_SCHEMA_DEPTH:
+        if deepest > work_limits.MAX_SCHEMA_DEPTH:
             return deepest
         stack.extend((child, depth + 1) for child in children)
     return deepest

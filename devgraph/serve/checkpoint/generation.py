@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from devgraph import ConfigError
-from devgraph.flag.jsonfile import read_json_file
+from devgraph.jsonfile import read_json_file
 from devgraph.messages import shorten
 from devgraph.serve.checkpoint.hf_config import token_ids
 

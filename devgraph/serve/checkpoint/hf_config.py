@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from devgraph import ConfigError
-from devgraph.flag.jsonfile import read_json_file
+from devgraph.jsonfile import read_json_file
 from devgraph.messages import kind, shorten
 from devgraph.reference.config import parse_dtype
 from devgraph.reference.rope import RopeScaling

@@ -27,7 +27,7 @@ from typing import Any
 
 from devgraph import ConfigError
 from devgraph.extras import require_extra
-from devgraph.flag.jsonfile import read_json_file
+from devgraph.jsonfile import read_json_file
 from devgraph.messages import shorten
 from devgraph.serve.checkpoint.template_render import RenderLimits, TemplateRenderer
 from devgraph.serve.checkpoint.text import ChatTemplateError, check_unicode

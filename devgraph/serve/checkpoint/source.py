@@ -1,6 +1,6 @@
 """Where the served model comes from: a random-weight preset, or a Hugging Face checkpoint directory.
 
-``--model`` names either. Start-up asks the source three things, in this order, so the flags can be
+``--model`` names either. Start-up asks the source three things, in this order, so the arguments can be
 checked and the KV cache sized before any weight is allocated:
 
 1. :meth:`ModelSource.model_config`: the reference model's shape with the server's limits

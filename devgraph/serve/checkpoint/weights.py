@@ -30,7 +30,7 @@ import torch
 
 from devgraph import ConfigError
 from devgraph.extras import require_extra
-from devgraph.flag.jsonfile import read_json_file
+from devgraph.jsonfile import read_json_file
 from devgraph.messages import shorten
 from devgraph.reference.model import DecoderLayer, ReferenceModel
 

@@ -1,6 +1,6 @@
 """Turning a request's :class:`~devgraph.serve.structured.spec.GrammarSpec` into a grammar the engine
-can run, within bounds (see :mod:`~devgraph.serve.structured.limits`), and only where the operator allowed
-that kind of constraint (``devgraph serve --structured-outputs``).
+can run, within bounds (see :mod:`~devgraph.serve.structured.work_limits`), and only where the operator
+allowed that kind of constraint (``devgraph serve --structured-outputs``).
 
 One :class:`GrammarCompiler` per server. It imports llguidance on first use (:class:`ConfigError` naming
 the extra when it is missing), builds the tokenizer table once, and keeps the compiled grammars of the
@@ -23,7 +23,7 @@ from devgraph import InputError
 from devgraph.extras import require_extra
 from devgraph.messages import shorten
 from devgraph.serve.checkpoint.text import Tokenizer
-from devgraph.serve.structured import limits
+from devgraph.serve.structured import work_limits
 from devgraph.serve.structured.matcher import BitmaskMasker, CompiledGrammar
 from devgraph.serve.structured.spec import KINDS_ALLOWED, GrammarKind, GrammarSpec
 from devgraph.serve.structured.vocab import Vocabulary, vocabulary
@@ -70,7 +70,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the vocabulary and masker are built once; the cache is shared
         self._setup: tuple[Any, Vocabulary, BitmaskMasker] | None = None
         self._cache: collections.OrderedDict[GrammarSpec, CompiledGrammar] = collections.OrderedDict()
-        self._pool = CompilePool(limits.COMPILE_THREADS)
+        self._pool = CompilePool(work_limits.COMPILE_THREADS)
         self._preparing: concurrent.futures.Future[Any] | None = None
 
     def check_allowed(self, spec: GrammarSpec) -> None:
@@ -91,7 +91,7 @@ class GrammarCompiler:
             return self._preparing
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """``spec`` compiled on the compile pool (off the event loop) within ``limits.COMPILE_SECONDS``
+        """``spec`` compiled on the compile pool (off the event loop) within ``work_limits.COMPILE_SECONDS``
         (the tokenizer table, built once, is not the request's time)."""
         self.check_allowed(spec)
         await asyncio.wrap_future(self.prepare())
@@ -102,10 +102,10 @@ class GrammarCompiler:
                 return cached
         future = asyncio.wrap_future(self._pool.submit(self._compile, spec))
         try:
-            return await asyncio.wait_for(asyncio.shield(future), limits.COMPILE_SECONDS)
+            return await asyncio.wait_for(asyncio.shield(future), work_limits.COMPILE_SECONDS)
         except asyncio.TimeoutError:
             raise GrammarError(
-                f"the {spec.describe()} did not compile within {limits.COMPILE_SECONDS:g} s; simplify it"
+                f"the {spec.describe()} did not compile within {work_limits.COMPILE_SECONDS:g} s; simplify it"
             ) from None
 
     def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -129,7 +129,7 @@ class GrammarCompiler:
         library, vocab, masker = self._ready()
         grammar = _grammar_text(library, spec, vocab)
         matcher = library.LLMatcher(
-            vocab.tokenizer, grammar, log_level=0, limits=limits.parser_limits(library)
+            vocab.tokenizer, grammar, log_level=0, limits=work_limits.parser_limits(library)
         )
         if not matcher.is_error():
             matcher.compute_bitmask()  # the first mask builds the lexer's start: paid here, not in a step
@@ -140,7 +140,7 @@ class GrammarCompiler:
         compiled = CompiledGrammar(spec, matcher, masker, vocab)
         with self._lock:
             self._cache[spec] = compiled
-            while len(self._cache) > limits.CACHE_ENTRIES:
+            while len(self._cache) > work_limits.CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return compiled
 
@@ -148,7 +148,7 @@ class GrammarCompiler:
 class CompilePool:
     """Compile threads with a deep stack: the grammar library recurses over a grammar's nesting while it
     compiles (a chain of some 3000 rules overflows an 8 MiB stack and would take the server down), so
-    its threads get :data:`limits.COMPILE_STACK_BYTES` of stack (address space; only what is used is
+    its threads get :data:`work_limits.COMPILE_STACK_BYTES` of stack (address space; only what is used is
     memory). Never the event loop's thread, nor the engine's."""
 
     def __init__(self, threads: int) -> None:
@@ -157,7 +157,7 @@ class CompilePool:
         )
         self._threads = []
         with _STACK_LOCK:  # threading.stack_size is process-wide: set only around these starts
-            previous = threading.stack_size(limits.COMPILE_STACK_BYTES)
+            previous = threading.stack_size(work_limits.COMPILE_STACK_BYTES)
             try:
                 for index in range(threads):
                     thread = threading.Thread(

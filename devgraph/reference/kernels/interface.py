@@ -1,10 +1,17 @@
-"""Shape, dtype and device checks shared by every attention backend.
+"""The interface every attention backend implements: the paged metadata, the functions' signatures, and
+the checks each backend runs on its arguments.
 
-They read tensor *metadata* only (shapes, dtypes, devices, strides), never tensor values, so they are
-safe inside a device-graph capture and cost a few attribute reads per call.
+A step's paged metadata is one value, :class:`PagedMetadata`: every backend function over a paged cache
+takes it whole, so a new piece of metadata is a field here and a read in the kernels that use it, not an
+argument threaded through every signature. The checks read tensor *metadata* only (shapes, dtypes,
+devices, strides), never tensor values, so they are safe inside a device-graph capture and cost a few
+attribute reads per call.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 
@@ -12,11 +19,91 @@ from devgraph import InputError
 from devgraph.messages import shorten
 
 __all__ = [
+    "PagedAttention",
+    "PagedMetadata",
+    "VarlenAttention",
+    "WriteKV",
+    "attention_fake",
     "check_decode",
     "check_prefill",
     "check_varlen",
     "check_write",
 ]
+
+
+@dataclass
+class PagedMetadata:
+    """A step's attention metadata, all device tensors (shapes fixed by the step's key).
+
+    ``slot_mapping [T]`` int64: the cache slot each token's key/value goes to (padding: the scratch slot).
+    ``block_tables [R, max_blocks]`` int32, ``seq_lens [R]`` int32 (kv length, new tokens included).
+    ``cu_seqlens_q [R + 1]`` int32 for packed steps (prefill, verify); ``None`` in decode.
+
+    A torch operator takes tensors, not a dataclass: an op passes :meth:`tensors` (one ``Tensor?[]``
+    argument, in field order) and its body rebuilds the value with :meth:`of`.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """The fields in order: the form a torch operator's ``Tensor?[]`` argument takes."""
+        return [getattr(self, name) for name in _FIELDS]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor | None]) -> PagedMetadata:
+        """The metadata an operator received as :meth:`tensors`."""
+        return cls(*tensors)  # type: ignore[arg-type]
+
+
+_FIELDS = tuple(field.name for field in fields(PagedMetadata))
+
+
+def attention_fake(q: torch.Tensor, *_arguments: object) -> torch.Tensor:
+    """The shape function (``register_fake``) of every attention operator: a result like its queries, what
+    every attention function here returns."""
+    return torch.empty_like(q)
+
+
+class WriteKV(Protocol):
+    """``write_kv(k, v, k_cache, v_cache, slot_mapping)``: token ``i`` of ``k``/``v [T, KVH, D]`` goes to
+    slot ``slot_mapping[i]``; a negative slot writes nothing."""
+
+    def __call__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+
+class PagedAttention(Protocol):
+    """``paged_decode_attention`` and ``paged_prefill_attention``: queries ``q`` over the paged caches as
+    ``meta`` describes them (decode: one query per request, ``meta.cu_seqlens_q`` unused; prefill: packed
+    queries, ``meta.cu_seqlens_q`` required), scaled by ``scale``."""
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+class VarlenAttention(Protocol):
+    """``varlen_attention``: block-diagonal attention over packed segments, no cache."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+        causal: bool = False,
+    ) -> torch.Tensor: ...
+
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -89,15 +176,10 @@ def check_write(
         raise _fail(function, f"k/v are on {k.device}, the cache on {k_cache.device}", "move them there")
 
 
-def check_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
+def check_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata) -> None:
     """Checks for ``paged_decode_attention``."""
     function = "paged_decode_attention"
+    block_tables, seq_lens = meta.block_tables, meta.seq_lens
     _, num_kv_heads, head_dim = _check_cache(function, k_cache, v_cache)
     _check_heads(function, q, num_kv_heads, head_dim)
     _check_index(function, "block_tables", block_tables, 2, k_cache.device)
@@ -114,15 +196,17 @@ def check_decode(
 
 
 def check_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> None:
-    """Checks for ``paged_prefill_attention``."""
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata
+) -> torch.Tensor:
+    """Checks for ``paged_prefill_attention``; returns ``meta.cu_seqlens_q`` (a packed step has one)."""
     function = "paged_prefill_attention"
+    block_tables, seq_lens, cu_seqlens_q = meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
+    if cu_seqlens_q is None:
+        raise _fail(
+            function,
+            "meta.cu_seqlens_q is None",
+            "pass the cumulative query offsets of a packed step (or call paged_decode_attention)",
+        )
     _, num_kv_heads, head_dim = _check_cache(function, k_cache, v_cache)
     _check_heads(function, q, num_kv_heads, head_dim)
     _check_index(function, "block_tables", block_tables, 2, k_cache.device)
@@ -138,6 +222,7 @@ def check_prefill(
         )
     if q.device != k_cache.device:
         raise _fail(function, f"q is on {q.device}, the cache on {k_cache.device}", "move it there")
+    return cu_seqlens_q
 
 
 def check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
