@@ -42,12 +42,12 @@ pytest_json() {  # pytest_json NAME LIMIT_PER_TEST ARGS...: a JUnit XML and the 
 run_step() {  # run_step NAME: one step, its limit, its command
     local name=$1 limit cmd
     case $name in
-    suite) limit=500 cmd="pytest_json cuda-suite 150 -m 'cuda and not multi_gpu' tests" ;;
+    suite) limit=540 cmd="pytest_json cuda-suite 150 -m 'cuda and not multi_gpu' tests" ;;
     suite_fast) limit=300 cmd="pytest_json cuda-suite-fast 150 -m 'cuda and not multi_gpu and not slow' tests" ;;
-    multi_tests) limit=420 cmd="pytest_json multi-gpu 150 -m multi_gpu tests" ;;
-    sanitizer) limit=120 cmd="$PY benchmarks/bench_sanitizer.py --out $R/sanitizer.json" ;;
-    inplace) limit=200 cmd="$PY benchmarks/bench_inplace_cache.py --out $R/inplace-cache.json --time-budget 170" ;;
-    prompt_logprobs) limit=150 cmd="cd benchmarks && PYTHONPATH=..:.:\${PYTHONPATH:-} $PY bench_prompt_logprobs.py --out $R/prompt-logprobs.json" ;;
+    multi_tests) limit=280 cmd="pytest_json multi-gpu 120 -m multi_gpu tests" ;;
+    sanitizer) limit=100 cmd="$PY benchmarks/bench_sanitizer.py --out $R/sanitizer.json" ;;
+    inplace) limit=180 cmd="$PY benchmarks/bench_inplace_cache.py --out $R/inplace-cache.json --time-budget 160" ;;
+    prompt_logprobs) limit=80 cmd="cd benchmarks && PYTHONPATH=..:.:\${PYTHONPATH:-} $PY bench_prompt_logprobs.py --out $R/prompt-logprobs.json" ;;
     structured) limit=180 cmd="PYTHONPATH=.:backends/cuda:\${PYTHONPATH:-} $PY benchmarks/bench_structured.py --gpu" ;;
     submit) limit=90 cmd="$PY benchmarks/bench_submit.py --out $R/submit.json" ;;
     accelerator) limit=90 cmd="$PY benchmarks/bench_accelerator.py --out $R/accelerator.json" ;;
@@ -56,9 +56,9 @@ run_step() {  # run_step NAME: one step, its limit, its command
     zoo_gptfast) limit=200 cmd="$PY benchmarks/bench_zoo.py --models gptfast --layers 8 --time-budget 170 --out $R/zoo-gptfast.json" ;;
     zoo_all) limit=270 cmd="$PY benchmarks/bench_zoo.py --layers 4 --batches 1,32 --time-budget 250 --out $R/zoo-all.json" ;;
     tp_channel) limit=90 cmd="$PY benchmarks/bench_tp_channel.py --device cuda --out $R/tp-channel.json" ;;
-    dp_agree) limit=60 cmd="$PY benchmarks/bench_dp_agree.py --device cuda --iters 2000 --out $R/dp-agree.json" ;;
-    serve_tp) limit=420 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 400" ;;
-    serve_overlap) limit=200 cmd="$PY benchmarks/bench_serve_overlap.py --gpu --out $R" ;;
+    dp_agree) limit=40 cmd="$PY benchmarks/bench_dp_agree.py --device cuda --iters 2000 --out $R/dp-agree.json" ;;
+    serve_tp) limit=260 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 240" ;;
+    serve_overlap) limit=175 cmd="$PY benchmarks/bench_serve_overlap.py --gpu --out $R" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)
