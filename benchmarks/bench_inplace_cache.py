@@ -39,7 +39,7 @@ from harness.targets import Target, targets_table
 from harness.timing import Variant, time_cases
 from zoo_bench.setup import zoo  # the zoo of tests/ (the module puts tests/ on the path)
 
-import devgraph.strategies.full as full_strategy
+import devgraph.strategies.compiling as full_strategy  # where the in-place rewrite is called from
 from devgraph import GraphRunner, create_backend
 
 VARIANTS = {

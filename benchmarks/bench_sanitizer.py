@@ -167,7 +167,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name, taken in samples.items()
     }
     sanitizer = runners["sanitizer"]
-    guard = sanitizer._steps.guard  # the per-step check the runner calls before each replay
+    guard = sanitizer.life.guard  # the per-step check the runner calls before each replay
     key = sanitizer.keys[0]
     check = {
         "whole_check_us": _check_us(lambda: guard.check(key, meta), args.iters * 5),

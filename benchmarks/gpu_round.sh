@@ -35,14 +35,15 @@ fi
 pytest_json() {  # pytest_json NAME LIMIT_PER_TEST ARGS...: a JUnit XML and the durations under R
     local name=$1 per=$2
     shift 2
-    $PY -m pytest -q -p no:cacheprovider -rfEs --durations=0 --timeout "$per" \
+    # -v: each test's name as it ends, so a step killed at its limit still says where it was
+    $PY -m pytest -v -p no:cacheprovider -rfEs --durations=0 --timeout "$per" \
         --junitxml "$R/$name.xml" "$@"
 }
 
 run_step() {  # run_step NAME: one step, its limit, its command
     local name=$1 limit cmd
     case $name in
-    suite) limit=540 cmd="pytest_json cuda-suite 150 -m 'cuda and not multi_gpu' tests" ;;
+    suite) limit=560 cmd="pytest_json cuda-suite 120 -m 'cuda and not multi_gpu' tests" ;;
     suite_fast) limit=300 cmd="pytest_json cuda-suite-fast 150 -m 'cuda and not multi_gpu and not slow' tests" ;;
     multi_tests) limit=280 cmd="pytest_json multi-gpu 120 -m multi_gpu tests" ;;
     sanitizer) limit=100 cmd="$PY benchmarks/bench_sanitizer.py --out $R/sanitizer.json" ;;

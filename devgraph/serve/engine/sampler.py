@@ -170,26 +170,28 @@ def sample_on_device(
     )
 
 
-#: Rows scored at a time by :func:`logprob_tensors` (128 x 152k float32 is 78 MB).
-_SCORE_CHUNK = 128
+#: Bytes of float32 logits :func:`logprob_tensors` works on at a time (a prompt's rows go in chunks).
+_SCORE_CHUNK_BYTES = 512 << 20
 
 
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, most: int) -> LogprobTensors:
     """Row ``r``'s log probability of ``tokens[r]``, its rank and the ``most`` most likely tokens (at least
     one), under ``log_softmax`` of the float32 logits; on the logits' device, nothing read back.
 
-    A prompt's rows come by the hundred over a vocabulary of 150k: the rows go in chunks (a chunk's
-    float32 copy stays small), and only the log-sum-exp is subtracted afterwards; the rank and the top
-    tokens come from the float32 logits themselves (log_softmax keeps their order), so no float32 copy of
-    the whole block is ever made.
+    A prompt's rows come by the hundred over a vocabulary of 150k: they go in chunks of at most
+    :data:`_SCORE_CHUNK_BYTES` of float32, and only the log-sum-exp is subtracted afterwards; the rank and
+    the top tokens come from the float32 logits themselves (log_softmax keeps their order), so no float32
+    log-softmax of the whole block is made. One alternative (lm-eval's ``logprobs: 1``) is a max, not a
+    top-k: a radix top-k over 150k columns costs several times the rest.
     """
     tokens = tokens.long()
     most = min(max(most, 1), logits.shape[-1])
-    if logits.shape[0] <= _SCORE_CHUNK:  # a step's sampled rows: one chunk
+    rows = max(1, _SCORE_CHUNK_BYTES // (4 * max(logits.shape[-1], 1)))
+    if logits.shape[0] <= rows:
         return _logprob_chunk(logits, tokens, most)
     parts = [
-        _logprob_chunk(logits[start : start + _SCORE_CHUNK], tokens[start : start + _SCORE_CHUNK], most)
-        for start in range(0, logits.shape[0], _SCORE_CHUNK)
+        _logprob_chunk(logits[start : start + rows], tokens[start : start + rows], most)
+        for start in range(0, logits.shape[0], rows)
     ]
     return LogprobTensors(*(torch.cat(column) for column in zip(*(p.tensors() for p in parts), strict=True)))
 
@@ -199,7 +201,10 @@ def _logprob_chunk(logits: torch.Tensor, tokens: torch.Tensor, most: int) -> Log
     lse = torch.logsumexp(wide, dim=-1, keepdim=True)
     chosen = wide.gather(1, tokens[:, None])
     ranks = (wide > chosen).sum(dim=-1) + 1
-    top_values, top_ids = wide.topk(most, dim=-1)
+    if most == 1:
+        top_values, top_ids = wide.max(dim=-1, keepdim=True)
+    else:
+        top_values, top_ids = wide.topk(most, dim=-1)
     return LogprobTensors(tokens, (chosen - lse)[:, 0], ranks, top_values - lse, top_ids)
 
 
