@@ -77,17 +77,22 @@ def test_a_swap_the_graphs_block_says_release_and_restore_and_that_order_works()
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("swap_mode")
-def test_cuda_weights_swapped_under_the_graphs_are_named_before_a_replay():
+def test_cuda_weights_loaded_under_swap_mode_never_replay_stale():
     # A CUDA graph holds addresses, not the weights: the swap goes through (it failed on devgraph's weak
-    # references before), and the guard refuses the replay that would read the freed memory.
+    # references before). Whether the swapped-in weights sit at the old addresses depends on torch (the
+    # torch of this writing keeps them there, values new); either way a replay never reads stale weights:
+    # the graphs replay the new values, or the guard refuses and refresh() captures on the new tensors.
     model, runner = _model_and_runner("cuda")
     runner.capture()
     x = torch.randn(3, 16, device="cuda")
+    before = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
     model.load_state_dict(_shifted(model))
     gc.collect()
-    with pytest.raises(ReplayError, match="refresh"):
-        runner.run(x=x)
-    runner.refresh()
+    moved = any(p.untyped_storage().data_ptr() != before[n] for n, p in model.named_parameters())
+    if moved:
+        with pytest.raises(ReplayError, match="refresh"):
+            runner.run(x=x)
+        runner.refresh()
     torch.testing.assert_close(runner.run(x=x), model(x))
     runner.close()
 
