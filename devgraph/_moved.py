@@ -30,6 +30,7 @@ MOVED: dict[str, str] = {
     "devgraph.ranks.capture": "devgraph.ranks.handshake",
     "devgraph.reference.kernels.checks": "devgraph.reference.kernels.interface",
     "devgraph.runner.guard.values": "devgraph.runner.guard.host_values",
+    "devgraph.serve.api.startup": "devgraph.serve.startup",
     "devgraph.serve.structured.limits": "devgraph.serve.structured.work_limits",
     "devgraph.strategies.plan": "devgraph.strategies.segments",
     "devgraph.strategies.startup": "devgraph.strategies.compile_time",

@@ -269,10 +269,10 @@ def test_start_up_logs_each_stage_when_stderr_is_not_a_terminal(server: Server) 
     # The server fixture's stderr is a pipe: no bar, one INFO line per stage and per captured graph.
     log = "".join(server.stderr)
     for line in (
-        "devgraph.serve.api.startup INFO building the model: preset 'tiny', random weights",
-        "devgraph.serve.api.startup INFO model ready in",
-        "devgraph.serve.api.startup INFO capturing graphs (--device-graph-mode auto)",
-        "devgraph.serve.api.startup INFO graphs ready in",
+        "devgraph.serve.startup INFO building the model: preset 'tiny', random weights",
+        "devgraph.serve.startup INFO model ready in",
+        "devgraph.serve.startup INFO capturing graphs (--device-graph-mode auto)",
+        "devgraph.serve.startup INFO graphs ready in",
         "devgraph.runner.capture.job INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
         "devgraph.runner.capture.job INFO captured prefill graph 1/1",
         "devgraph.serve.api.server INFO warm-up requests served in",
@@ -478,7 +478,7 @@ def test_a_kv_cache_too_large_for_memory_or_too_small_for_the_warm_up_is_refused
     import argparse
 
     from devgraph.errors import ConfigError
-    from devgraph.serve.api import startup as server_module
+    from devgraph.serve import startup as server_module
     from devgraph.serve.cli import add_serve_parser
 
     parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
@@ -500,7 +500,7 @@ def test_start_up_errors_name_the_flags_the_user_set_and_values_that_work() -> N
     import argparse
 
     from devgraph.errors import ConfigError
-    from devgraph.serve.api import startup as server_module
+    from devgraph.serve import startup as server_module
     from devgraph.serve.cli import add_serve_parser
 
     parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())

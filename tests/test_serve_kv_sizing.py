@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from devgraph.errors import ConfigError
-from devgraph.serve.api import startup as server_module
+from devgraph.serve import startup as server_module
 from devgraph.serve.cli import add_serve_parser
 from devgraph.serve.engine import SamplingParams
 from devgraph.serve.engine.sizing import kv_blocks_for_memory

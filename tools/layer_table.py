@@ -142,7 +142,8 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
             "batching, chunked prefill, the overlapped scheduler), `structured/` (constrained decoding: "
             "grammars, their limits and masks), `checkpoint/` (the model served: a Hugging Face checkpoint's "
             "config, weights, tokenizer, chat template and generation config, or a random-weight preset), "
-            "`api/` (the OpenAI HTTP API and the timed start-up), `tp/` (serving over several ranks), "
+            "`startup.py` (the timed start-up: the engine built from the arguments, by rank 0 and by each "
+            "worker), `api/` (the OpenAI HTTP API), `tp/` (serving over several ranks), "
             "`bench/` (the load generator), `cli.py` (the arguments of `devgraph serve` and `devgraph bench "
             "serve`), `__main__.py`",
         ),
@@ -203,7 +204,8 @@ ORDERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "devgraph.serve": (
         ("engine.*", "checkpoint.*"),  # the engine and the model it serves: no HTTP, no ranks
         ("structured.*",),  # constrained decoding: the engine sees only its seam, engine/grammar.py
-        ("api.*",),  # the OpenAI API and the timed start-up
+        ("startup",),  # the timed start-up: the engine built from the arguments (rank 0 and the workers)
+        ("api.*",),  # the OpenAI API
         ("tp.*",),  # serving over several ranks: workers start up as rank 0 does
         ("api.server",),  # the server: the API, the engine loop and the ranks together
         ("bench.*",),  # the load generator speaks the API's protocol

@@ -57,7 +57,7 @@ def worker_main(args: argparse.Namespace, rank: int, size: int, port: int, ring:
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     from devgraph.ranks import destroy_process_group
-    from devgraph.serve.api.startup import build_engine, open_source
+    from devgraph.serve.startup import build_engine, open_source
     from devgraph.serve.tp.rank import init_rank
 
     code = 1
