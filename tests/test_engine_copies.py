@@ -147,3 +147,29 @@ def test_a_group_is_aborted_whole_or_one_copy_at_a_time() -> None:
     assert engine.drain() == []  # the step in flight (overlapped) gives the aborted copies nothing
     assert not engine.has_work and engine.allocator.num_free == engine.allocator.capacity
     engine.close()
+
+
+@pytest.mark.parametrize("scheduler", ["overlap", "serial"])
+def test_groups_admitted_together_never_fork_past_the_running_limit(scheduler: str) -> None:
+    # Two groups of 3 copies and a running limit of 4: each group fits alone, both together do not. Before,
+    # the second group was admitted while the first's copies were still waiting for its prompt (they were
+    # not counted), and the step that forked both failed: 'no block-table row free' (a 500 for every
+    # request of a completions call with a list of prompts and n=3, or for concurrent n > 1 requests).
+    engine = _engine(scheduler=scheduler)
+    groups = [
+        engine.add_request(PROMPT[i : i + 10], SamplingParams(max_tokens=4, temperature=0, n=3))
+        for i in range(3)
+    ]
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+        assert len(engine.scheduler.running) <= 4
+    errors = [o for o in outputs if o.finish_reason is not None and o.finish_reason.value == "error"]
+    assert errors == []
+    for group in groups:
+        mine = [o for o in outputs if o.group == group.request_id]
+        assert sorted(o.index for o in mine if o.finished) == [0, 1, 2]
+        for index in range(3):
+            assert sum(len(o.token_ids) for o in mine if o.index == index) == 4
+    assert engine.allocator.num_free == engine.allocator.capacity
+    engine.close()

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from types import ModuleType
 
 import pytest
@@ -128,9 +129,12 @@ def test_ci_installed_exactly_the_pinned_releases():
     if not os.environ.get("CI"):
         pytest.skip("only CI's environment (.ci/run: a fresh virtual environment) is installed from the pins")
     pins = _pins_for(f"{sys.version_info.major}.{sys.version_info.minor}")
+    # Only what pip installed into the environment: once something imports setuptools, its vendored copies
+    # (setuptools/_vendor/more_itertools-*.dist-info...) are on sys.path too, at setuptools' own releases.
+    site_dirs = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     installed = {
         pins_tool.canonical(d.metadata["Name"]): d.version.split("+", 1)[0]
-        for d in importlib.metadata.distributions()
+        for d in importlib.metadata.distributions(path=site_dirs)
     }
     differ = {n: (installed[n], str(v)) for n, v in pins.items() if n in installed and installed[n] != str(v)}
     assert not differ, f"installed vs pinned: {differ}"

@@ -10,8 +10,9 @@ Every step the scheduler, in this order:
    step's token budget and to the blocks that are free (no preemption for a prefill chunk);
 3. admits waiting requests first come, first served, while fewer than ``max_running`` run, budget is
    left and the first chunk's blocks are free; the head of the queue blocks the rest (no overtaking).
-   A request with ``n`` copies is admitted only where all ``n`` fit the running batch: it computes the
-   prompt once, and :meth:`Scheduler.fork` then hands its copies its KV blocks (shared, not copied).
+   A request with ``n`` copies is admitted only where all ``n`` fit the running batch, beside the copies
+   that running requests will start (their seats are taken at admission): it computes the prompt once,
+   and :meth:`Scheduler.fork` then hands its copies its KV blocks (shared, not copied).
 
 A block that several requests hold (a prompt's blocks after a fork) is read-only: a request about to
 write into one gets a private copy first (copy-on-write): the schedule lists the ``(source, copy)`` block
@@ -109,6 +110,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def _seats(self) -> int:
+        """Table rows the running requests hold or will hold: a request still filling its prompt holds one
+        for each copy of it that :meth:`fork` starts once the prompt is computed."""
+        return sum(1 + len(request.copies) for request in self.running)
+
     # -- blocks --------------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -191,7 +197,7 @@ class Scheduler:
             request = self.waiting[0]
             if request.pending:  # preempted while its last token was on the device: admit it once read
                 break
-            if len(self.running) + 1 + len(request.copies) > self.max_running:
+            if self._seats() + 1 + len(request.copies) > self.max_running:
                 break
             if self.allocator.num_free < 1:
                 break
