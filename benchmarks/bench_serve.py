@@ -96,6 +96,18 @@ class Server:
         self.startup_seconds = time.perf_counter() - start
         return self
 
+    def wait_graphs(self) -> float:
+        """Seconds from the server's start until /health says every graph is captured (the server captures
+        them in the background by default: a measurement taken before would time eager steps)."""
+        start = time.perf_counter()
+        while True:
+            graphs = self.get("/health").get("graphs")
+            if graphs is None or graphs["ready"] or graphs["error"]:
+                return self.startup_seconds + time.perf_counter() - start
+            if time.perf_counter() - start > self.timeout:
+                raise RuntimeError(f"graphs not captured in {self.timeout:.0f} s: {graphs}; see {self.log}")
+            time.sleep(0.05)
+
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=60) as response:
             return json.loads(response.read())
@@ -129,6 +141,7 @@ def run_mode(
     record: dict[str, Any] = {"server_command": shlex.join(["python", "-m", "devgraph.serve", *args])}
     with Server(args, out / f"serve-{label}.log", settings["start_timeout"]) as server:
         record["startup_seconds"] = server.startup_seconds
+        record["graphs_ready_seconds"] = server.wait_graphs()
         card = server.get("/v1/models")["data"][0]
         warm = _trace(settings, card, settings["warmup"], 99)
         asyncio.run(run_load(server.url, warm, concurrency=len(warm), progress=False, model=card["id"]))

@@ -74,6 +74,7 @@ def run_scheduler(settings: dict[str, Any], scheduler: str, out: Path) -> dict[s
     env = {"DEVGRAPH_STEP_TIMELINE": str(timeline)}
     with Server(args, out / f"serve-overlap-{scheduler}.log", settings["start_timeout"], env) as server:
         record["startup_seconds"] = server.startup_seconds
+        record["graphs_ready_seconds"] = server.wait_graphs()
         card = server.get("/v1/models")["data"][0]
         warm = _trace(settings, card, settings["warmup"], 99)
         asyncio.run(run_load(server.url, warm, concurrency=len(warm), progress=False, model=card["id"]))

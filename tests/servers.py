@@ -21,9 +21,17 @@ ROOT = Path(__file__).resolve().parent.parent
 class ServerProcess:
     """``python -m devgraph.serve FLAGS`` on a free port of 127.0.0.1, started and waited for (up to
     ``start_timeout`` seconds; ``env``: variables added to this process's); its stderr is kept
-    (``stderr``), ``stop()`` sends SIGTERM and returns the exit code."""
+    (``stderr``), ``stop()`` sends SIGTERM and returns the exit code. ``graphs_ready``: also wait until
+    every graph is captured (the server captures them in the background by default), so a test sees the
+    same steps whichever way it started."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None, start_timeout: float = 120) -> None:
+    def __init__(
+        self,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 120,
+        graphs_ready: bool = True,
+    ) -> None:
         command = [
             sys.executable,
             "-m",
@@ -56,6 +64,20 @@ class ServerProcess:
                 raise RuntimeError(f"server did not start in {start_timeout:g} s")
         self.url = line.rsplit(" ", 1)[-1].strip()
         self.port = int(self.url.rsplit(":", 1)[-1])
+        if graphs_ready:
+            self.wait_graphs(deadline - time.monotonic())
+
+    def wait_graphs(self, timeout: float) -> dict[str, Any] | None:
+        """Wait until /health says every graph is captured (no ``graphs`` entry: captured before listening);
+        returns that entry. A capture that failed is the test's to see (``error``), not a wait."""
+        deadline = time.monotonic() + max(timeout, 1.0)
+        while True:
+            graphs = self.request("GET", "/health")[1].get("graphs")
+            if graphs is None or graphs["ready"] or graphs["error"]:
+                return graphs
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"graphs not captured in {timeout:g} s: {graphs}")
+            time.sleep(0.05)
 
     def _drain_stderr(self) -> None:
         assert self.proc.stderr is not None

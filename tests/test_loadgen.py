@@ -27,9 +27,10 @@ HANG = None  # a route that reads the request and never answers
 
 
 @contextmanager
-def tiny_http(routes: dict[str, tuple[int, bytes] | None]) -> Iterator[str]:
-    """An HTTP/1.1 server on a free local port: ``routes`` maps a path to (status, JSON body), or to
-    ``HANG``; other paths get 404. Yields its base URL."""
+def tiny_http(routes: dict[str, Any]) -> Iterator[str]:
+    """An HTTP/1.1 server on a free local port: ``routes`` maps a path to (status, JSON body), to a
+    function returning one (called for each request), or to ``HANG``; other paths get 404. Yields its base
+    URL."""
     ready = threading.Event()
     state: dict[str, Any] = {}
 
@@ -38,6 +39,8 @@ def tiny_http(routes: dict[str, tuple[int, bytes] | None]) -> Iterator[str]:
             head = await reader.readuntil(b"\r\n\r\n")
             path = head.split(b" ", 2)[1].decode()
             answer = routes.get(path, (404, b'{"error": {"message": "no"}}'))
+            if callable(answer):
+                answer = answer()
             if answer is HANG:
                 await asyncio.Event().wait()  # until the server closes
                 return
@@ -129,3 +132,83 @@ def test_the_model_card_round_trips_through_the_server_shape() -> None:
     assert parse_model_card(model_list(card)) == card
     with pytest.raises(ValueError, match="'max_seq_len' must be an integer >= 2, got True"):
         parse_model_card({"data": [{"id": "m", "vocab_size": 4, "max_seq_len": True}]})
+
+
+def _health(*answers: dict[str, Any]) -> Any:
+    """A /health route that gives ``answers`` in turn (the last one for good), with the request count."""
+    seen: list[int] = []
+
+    def answer() -> tuple[int, bytes]:
+        seen.append(1)
+        return 200, json.dumps(answers[min(len(seen), len(answers)) - 1]).encode()
+
+    answer.seen = seen  # type: ignore[attr-defined]
+    return answer
+
+
+def _capture(captured: int, total: int = 3, error: str | None = None) -> dict[str, Any]:
+    progress = {"captured": captured, "total": total, "ready": captured == total, "error": error}
+    return {"status": "ok", "graphs": progress}
+
+
+def _completion() -> tuple[int, bytes]:
+    """A streamed completion of two tokens, as one body (the route's Content-Type is not read)."""
+    events = [
+        {"choices": [{"index": 0, "text": t, "token_ids": [i], "finish_reason": f}]}
+        for i, t, f in ((1, "a", None), (2, "b", "length"))
+    ]
+    return 200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def test_the_load_waits_until_the_servers_graphs_are_captured(capsys, tmp_path) -> None:
+    # A server captures its graphs between steps by default: a load sent before would time eager steps.
+    out = tmp_path / "run.json"
+    health = _health(_capture(0), _capture(0), _capture(1), _capture(2), _capture(3))
+    routes = {"/v1/models": (200, GOOD_CARD), "/health": health, "/v1/completions": _completion}
+    with tiny_http(routes) as url:
+        code, err = _bench(capsys, url, "--num-requests", "2", "--output-len", "2:2", "--json", str(out))
+    assert [line for line in err if "waiting" in line] == [
+        f"devgraph bench serve: waiting for the server's graphs: {n}/3 captured" for n in (0, 1, 2)
+    ]
+    record = json.loads(out.read_text())
+    assert len(health.seen) == 5 and record["waited_for_graphs_s"] >= 0.3  # four 0.1 s polls
+    assert code == 0 and record["summary"]["completed"] == 2, record["summary"]
+
+
+@pytest.mark.parametrize(
+    ("health", "flags", "fragment"),
+    [
+        (_capture(1, error="CaptureError: out of memory"), (), "graph capture failed ('CaptureError: out of"),
+        (_capture(1), ("--timeout", "0.5"), "not all captured within --timeout 0.5 s (1/3)"),
+    ],
+)
+def test_a_capture_that_fails_or_never_ends_is_one_line_and_exit_code_2(
+    capsys, health, flags, fragment
+) -> None:
+    routes = {"/v1/models": (200, GOOD_CARD), "/health": (200, json.dumps(health).encode())}
+    with tiny_http(routes) as url:
+        code, err = _bench(capsys, url, *flags)
+    errors = [line for line in err if "waiting" not in line]
+    assert code == 2 and len(errors) == 1 and fragment in errors[0], err
+    assert "--no-wait-for-graphs" in errors[0]
+
+
+def test_no_wait_for_graphs_sends_the_load_at_once(capsys, tmp_path) -> None:
+    out = tmp_path / "run.json"
+    health = _health(_capture(0))
+    routes = {"/v1/models": (200, GOOD_CARD), "/health": health, "/v1/completions": _completion}
+    with tiny_http(routes) as url:
+        code, err = _bench(
+            capsys,
+            url,
+            "--num-requests",
+            "2",
+            "--output-len",
+            "2:2",
+            "--no-wait-for-graphs",
+            "--json",
+            str(out),
+        )
+    record = json.loads(out.read_text())
+    assert code == 0 and health.seen == [] and record["waited_for_graphs_s"] is None
+    assert not [line for line in err if "waiting" in line]

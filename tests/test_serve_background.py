@@ -12,9 +12,11 @@ import pytest
 import torch
 from servers import ServerProcess
 
+from devgraph import DeviceGraphConfig
 from devgraph.reference import ReferenceConfig, ReferenceModel
 from devgraph.serve.cli import add_serve_parser
 from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
+from devgraph.serve.startup import capture_plan
 
 pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
 
@@ -30,11 +32,12 @@ def test_the_flag_parses() -> None:
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["serve", "--capture-in-background"]).capture_in_background
-    assert not parser.parse_args(["serve"]).capture_in_background
+    assert not parser.parse_args(["serve", "--no-capture-in-background"]).capture_in_background
+    assert parser.parse_args(["serve"]).capture_in_background is None  # where safe (capture_plan)
 
 
 def test_serving_while_the_graphs_are_captured() -> None:
-    server = ServerProcess(*FLAGS)
+    server = ServerProcess(*FLAGS, graphs_ready=False)
     try:
         status, health = server.request("GET", "/health")
         assert status == 200 and health["status"] == "ok"
@@ -72,3 +75,64 @@ def test_serving_while_the_graphs_are_captured() -> None:
         assert engine.generate([prompt], SamplingParams(max_tokens=6))[0] == served
     finally:
         torch.set_num_threads(threads)
+
+
+def _graphs(text: str) -> DeviceGraphConfig:
+    return DeviceGraphConfig.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("asked", "flag", "ranks", "background", "said"),
+    [
+        (None, "auto", 1, True, "the default"),
+        (None, "full", 1, True, "the default"),
+        (None, "decode=full,prefill=eager", 1, True, "the default"),
+        (None, "auto", 2, False, "tensor parallelism"),
+        (None, "disabled", 1, False, "no phase has graphs"),
+        (None, "eager", 1, False, "no phase has graphs"),
+        (None, '{"decode": {"backend": "full", "compiler": "inductor"}}', 1, False, "compiles"),
+        (None, "decode=tc_piecewise", 1, False, "compiles"),
+        (None, '{"decode": {"backend": "full", "fallback": "tc_piecewise"}}', 1, False, "compiles"),
+        (True, '{"decode": {"backend": "full", "compiler": "inductor"}}', 1, True, "--capture-in-background"),
+        (False, "auto", 1, False, "--no-capture-in-background"),
+    ],
+)
+def test_where_the_graphs_are_captured_by_default(
+    asked: bool | None, flag: str, ranks: int, background: bool, said: str
+) -> None:
+    chosen, why = capture_plan(asked, _graphs(flag), ranks)
+    assert chosen is background and said in why
+
+
+def test_a_server_on_its_defaults_answers_before_its_graphs() -> None:
+    # No capture flag: the tiny preset's plain graphs are captured between steps (capture_plan's default).
+    flags = [f for f in FLAGS if f not in ("--capture-in-background", "--deterministic")]
+    server = ServerProcess(*flags, graphs_ready=False)
+    try:
+        graphs = server.request("GET", "/health")[1]["graphs"]
+        assert graphs["total"] > 0, graphs
+        status, body = server.post({"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+        assert status == 200 and len(body["choices"][0]["token_ids"]) == 4, body
+        assert server.wait_graphs(60)["ready"]
+    finally:
+        assert server.stop() == 0
+    assert "captured between steps while the server answers" in "".join(server.stderr)
+
+
+def test_no_capture_in_background_captures_before_listening() -> None:
+    flags = [f for f in FLAGS if f != "--capture-in-background"] + ["--no-capture-in-background"]
+    server = ServerProcess(*flags, graphs_ready=False)
+    try:
+        status, health = server.request("GET", "/health")
+        assert status == 200 and "graphs" not in health, health  # every graph captured before listening
+        assert server.stats()["runners"]["decode"]["graph_memory"]["by_key"]
+    finally:
+        assert server.stop() == 0
+    log = "".join(server.stderr)
+    for line in (
+        "devgraph.serve.startup INFO capturing graphs (--device-graph-mode auto): --no-capture-in-background",
+        "devgraph.runner.capture.job INFO captured decode graph 1/1 (tokens=8,requests=8, full)",
+        "devgraph.runner.capture.job INFO captured prefill graph 1/1",
+        "devgraph.serve.startup INFO graphs ready in",
+    ):
+        assert line in log, log[-3000:]

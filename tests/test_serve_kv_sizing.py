@@ -61,7 +61,8 @@ def test_serve_sizes_the_kv_cache_after_the_graph_estimate(monkeypatch: pytest.M
     total = 64 * MiB
     monkeypatch.setattr(server_module, "memory_info", lambda device: (total, total))
     startup = server_module.Startup()
-    engine = server_module.build_engine(parse("--gpu-memory-utilization", "0.25"), startup=startup)
+    flags = ("--gpu-memory-utilization", "0.25", "--no-capture-in-background")  # every graph measured below
+    engine = server_module.build_engine(parse(*flags), startup=startup)
     try:
         sizing = startup.kv_sizing
         assert sizing is not None and sizing["graph_bytes_estimated"] > 0 and sizing["memory"] == "host"

@@ -61,6 +61,7 @@ def run_config(
         record["startup"] = {
             "listening_s": round(server.startup_seconds, 2),
             "first_response_s": round(server.startup_seconds + first, 2),
+            "graphs_ready_s": round(server.wait_graphs(), 2),  # captured in the background by default
             "server_stages": server.get("/v1/engine/stats")["startup"],
         }
         record["oracle_alone"] = _tokens(server.url, model, prompts, plan.new_tokens, 1)

@@ -240,9 +240,11 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--capture-in-background",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="answer from the moment the weights are loaded: steps run eagerly while the graphs are "
-        "captured one key between two steps; /health shows the progress",
+        "captured one key between two steps; /health shows the progress (default: on with one rank and "
+        "graphs that do not compile; --no-capture-in-background captures every graph before listening)",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -358,6 +360,12 @@ def _bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--label", default=None, help="a name for this run in the JSON (e.g. the mode)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-wait-for-graphs",
+        action="store_true",
+        help="send the load at once, even while the server still captures its graphs (by default the "
+        "benchmark waits until /health says they are ready)",
+    )
     parser.set_defaults(run=run_bench_serve, command_parser=parser)
     return parser
 

@@ -40,6 +40,7 @@ from devgraph.serve.engine.warmup import check_warm_up_fits
 __all__ = [
     "Startup",
     "build_engine",
+    "capture_plan",
     "check_kv_memory",
     "device_defaults",
     "kv_cache_bytes",
@@ -188,11 +189,12 @@ def build_engine(
     )
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
-    background = getattr(args, "capture_in_background", False)
+    background, why = capture_plan(getattr(args, "capture_in_background", False), graphs, shards)
     logger.info(
-        "%s graphs (--device-graph-mode %s)",
+        "%s graphs (--device-graph-mode %s): %s",
         "serving before the" if background else "capturing",
         graphs.source,
+        why,
     )
     start = time.perf_counter()
     engine = engine_class(
@@ -220,6 +222,40 @@ def build_engine(
     )
     _log_added_sizes(engine, graphs)
     return engine
+
+
+def capture_plan(asked: bool | None, graphs: DeviceGraphConfig, ranks: int = 1) -> tuple[bool, str]:
+    """Whether the graphs are captured in the background (the engine answers from the moment the weights
+    are loaded, running eagerly until each step's key is captured) or all of them before the server
+    listens, and why, for the log. ``asked``: ``--capture-in-background`` (``True``),
+    ``--no-capture-in-background`` (``False``) or neither (``None``: in the background where that is safe
+    and pays).
+
+    Up front by default where the background would not pay or not be safe: with several ranks (each rank
+    must capture the same key between the same two steps), where a phase compiles (a key's compile takes
+    seconds, and a request arriving during it waits for all of them: a first response sooner but a slow
+    one, and compiled code the first steps never ran), and where no phase has graphs."""
+    if asked is not None:
+        return asked, "--capture-in-background" if asked else "--no-capture-in-background"
+    phases = [graphs.for_phase(phase) for phase in ("decode", "prefill")]
+    if ranks > 1:
+        return False, "every rank captures before serving (the default under tensor parallelism)"
+    if all(phase.backend in ("disabled", "eager") for phase in phases):
+        return False, "no phase has graphs"
+    compiling = [
+        phase
+        for phase in phases
+        if phase.compiler is not None or "tc_piecewise" in (phase.backend, phase.fallback)
+    ]
+    if compiling:
+        return False, (
+            "captured before serving, the default where a phase compiles (a compile between two steps would "
+            "hold every request that arrives meanwhile); --capture-in-background serves before them anyway"
+        )
+    return True, (
+        "captured between steps while the server answers (the default; --no-capture-in-background "
+        "captures them all before listening)"
+    )
 
 
 #: The command-line argument that sets each phase's largest step (the size its runner always captures).

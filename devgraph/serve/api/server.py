@@ -72,7 +72,7 @@ def _start_world(args: argparse.Namespace) -> Any:
     for flag, given in (
         ("--gpu-memory-utilization", getattr(args, "gpu_memory_utilization", None) is not None),
         ("--enable-sleep-mode", getattr(args, "enable_sleep_mode", False)),
-        ("--capture-in-background", getattr(args, "capture_in_background", False)),
+        ("--capture-in-background", getattr(args, "capture_in_background", None) is True),
     ):
         if given:
             raise ConfigError(f"{flag} is not available with --tp yet; leave one of them out")

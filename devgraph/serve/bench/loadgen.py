@@ -22,6 +22,7 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -296,18 +297,59 @@ def _command_line() -> str:
     return shlex.join([*head, *sys.argv[1:]])
 
 
+async def wait_for_graphs(session: Any, url: str, timeout: float, say: Callable[[str], None]) -> float:
+    """Wait until the server's ``/health`` says every graph is captured (a server captures them between
+    steps by default: a load sent before would time eager steps); seconds waited. ``say`` gets one line
+    when there is something to wait for and one per change of the count. :class:`ConfigError` when the
+    capture failed or took longer than ``timeout`` seconds."""
+    from devgraph import ConfigError
+
+    start = time.monotonic()
+    said = None
+    while True:
+        async with session.get(f"{url}/health") as response:
+            body = await response.json(content_type=None) if response.status == 200 else {}
+        graphs = body.get("graphs") if isinstance(body, dict) else None
+        if not isinstance(graphs, dict) or graphs.get("ready"):
+            return time.monotonic() - start
+        if graphs.get("error"):
+            raise ConfigError(
+                f"the server's graph capture failed ({shorten(str(graphs['error']), 200)}): it serves "
+                "eagerly, so a load now measures eager steps; fix the server, or give --no-wait-for-graphs"
+            )
+        progress = (graphs.get("captured"), graphs.get("total"))
+        if progress != said:
+            say(f"waiting for the server's graphs: {progress[0]}/{progress[1]} captured")
+            said = progress
+        if time.monotonic() - start > timeout:
+            raise ConfigError(
+                f"the server's graphs were not all captured within --timeout {timeout:g} s ({progress[0]}/"
+                f"{progress[1]}); raise --timeout, or give --no-wait-for-graphs to measure the steps as they "
+                "are"
+            )
+        await asyncio.sleep(0.1)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     from devgraph import ConfigError
 
     if args.json:
         _check_writable(args.json)
     lengths: dict[str, Any] = {}
+    waited: dict[str, float] = {}
 
     async def main() -> dict[str, Any]:
         import aiohttp
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
             card = await fetch_model(session, args.url.rstrip("/"), args.timeout)
+            if not getattr(args, "no_wait_for_graphs", False):
+                waited["graphs_s"] = await wait_for_graphs(
+                    session,
+                    args.url.rstrip("/"),
+                    args.timeout,
+                    lambda line: print(f"devgraph bench serve: {line}", file=sys.stderr, flush=True),
+                )
         warning = check_lengths(args.prompt_len, args.output_len, card.max_seq_len)
         if warning:
             print(f"devgraph bench serve: warning: {warning}", file=sys.stderr, flush=True)
@@ -347,6 +389,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             "url": args.url,
             "load": {"concurrency": args.concurrency, "request_rate": args.request_rate},
             "sent": lengths,
+            "waited_for_graphs_s": waited.get("graphs_s"),  # None: --no-wait-for-graphs
             **run,
         }
         with open(args.json, "w") as fh:
