@@ -307,6 +307,34 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server: Server) -> None:
     assert stats["finished"].get("abort", 0) == aborted_before + 1
 
 
+def _quiet_hang_ups(server: Server, logged: int, count: int) -> list[str]:
+    """The server's log since line ``logged`` once it has told of ``count`` clients that hung up."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = server.stderr[logged:]
+        if sum("the client closed the connection" in line for line in lines) >= count:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError("".join(server.stderr[logged:])[-3000:])
+
+
+def test_a_client_that_hangs_up_is_no_server_error(server: Server) -> None:
+    # Mid-body (the body's read fails) and mid-stream (where the next token's write fails): each is logged
+    # as the client's doing in one line, never as a failed request with a traceback.
+    logged = len(server.stderr)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 200, "n": 2, "stream": True})
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert connection.getresponse().readline().startswith(b"data: ")
+    connection.close()
+    server.wait_idle()
+    with socket.create_connection(("127.0.0.1", server.port)) as raw:
+        raw.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt"')
+    lines = _quiet_hang_ups(server, logged, 1)  # the body's, at least (a stream may end unwritten)
+    assert not any("Traceback" in line or " ERROR " in line for line in lines), "".join(lines)
+    assert server.post({"prompt": [1, 2], "max_tokens": 2})[0] == 200
+
+
 def test_metrics_expose_runner_statistics_and_latency_histograms(server: Server) -> None:
     pytest.importorskip("prometheus_client")
     server.post({"prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0})
