@@ -265,6 +265,50 @@ def test_unexpected_failures_and_a_missing_metrics_extra_are_json_too() -> None:
     )
 
 
+def test_a_failure_after_a_stream_began_ends_the_stream_with_an_error_event() -> None:
+    """In-process: a bug while a stream is under way (the first events sent) ends it with an error event
+    and [DONE]; it answered a 500 response written into the open stream (a corrupt chunked body)."""
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from devgraph.serve.api import generate
+    from devgraph.serve.api.app import ServerState, build_app
+
+    aborted = []
+
+    async def failing_next(queue: Any) -> Any:
+        raise ValueError("a bug while streaming")
+
+    run = SimpleNamespace(
+        generation=SimpleNamespace(model="tiny", continuous_usage=False, include_usage=True),
+        groups={"cmpl-1": None},
+        choices={0: SimpleNamespace(index=0)},
+        open=1,
+        failed=None,
+        next=failing_next,
+        abort=lambda: aborted.append(True),
+    )
+    shape = SimpleNamespace(object="text_completion", opening=lambda choice: {"index": 0, "text": ""})
+
+    async def streaming(request: Any) -> Any:
+        return await generate._stream(request, run, shape, asyncio.Queue())  # type: ignore[arg-type]
+
+    async def main() -> tuple[int, bytes]:
+        app = build_app(ServerState(engine=None, model_name="tiny", metrics=None, max_queued=1))  # type: ignore[arg-type]
+        app.router.add_get("/streaming", streaming)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            response = await client.get("/streaming")
+            return response.status, await response.read()
+
+    status, body = asyncio.run(main())
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and b"HTTP/1.1" not in body, body
+    assert json.loads(events[0])["choices"] == [{"index": 0, "text": ""}]
+    assert json.loads(events[1])["error"]["message"].startswith("the server failed while streaming")
+    assert events[2:] == ["[DONE]"] and aborted == [True]
+
+
 def test_start_up_logs_each_stage_when_stderr_is_not_a_terminal(server: Server) -> None:
     # The server fixture's stderr is a pipe: no bar, one INFO line per stage and per captured graph.
     log = "".join(server.stderr)
