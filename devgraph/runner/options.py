@@ -355,7 +355,7 @@ def plan_runner(
             )
     device = options.get("device")
     # The one resolution; a device no platform can use here (cuda on a CPU-only torch) is refused by name.
-    platform = backend.platform if backend is not None else usable_platform(device, flag="device=")
+    platform = backend.platform if backend is not None else usable_platform(device, flag="device")
     settings = flag_over_arguments(flag.for_phase(phase), given)
     try:
         resolved = resolve_phase(
