@@ -40,6 +40,11 @@ MOVED: dict[str, str] = {
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old names of :data:`MOVED` and loads each as the module it is now."""
 
+    def __init__(self) -> None:
+        #: Old name -> the new module's own spec, which the import system overwrites with the old name's
+        #: between create_module() and exec_module() (put back there: reload() and pickle read it).
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
@@ -54,10 +59,15 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self._specs[spec.name] = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the module was imported under its new name."""
+        """Nothing to run (the module was imported under its new name) but to give it its own spec back."""
+        spec = module.__spec__
+        if spec is not None and spec.name in self._specs:
+            module.__spec__ = self._specs.pop(spec.name)
 
 
 def install() -> None:

@@ -81,6 +81,20 @@ def test_max_tokens_zero_scores_the_prompt_and_samples_nothing() -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("length", [20, 70])
+def test_max_tokens_zero_gives_every_copy_the_whole_prompts_scores(length: int) -> None:
+    # echo with logprobs, n=2, max_tokens=0 (the server's 500): the last copy to finish closed the group
+    # first and then looked its prompt's scores up in it, getting [None] instead of the first copy's.
+    engine = _engine()
+    outputs = _run(engine, PROMPT[:length], SamplingParams(max_tokens=0, prompt_logprobs=1, n=3))
+    assert sorted(o.index for o in outputs) == [0, 1, 2] and all(o.finished for o in outputs)
+    first = next(o for o in outputs if o.index == 0).prompt_logprobs
+    assert first is not None and len(first) == length
+    assert all(o.prompt_logprobs == first for o in outputs)
+    assert engine.allocator.num_free == engine.allocator.capacity
+    engine.close()
+
+
 def test_prompt_logprobs_are_scored_once_when_a_preempted_request_recomputes() -> None:
     # 9 blocks of 16 slots (8 usable): two 60-token requests cannot both hold their blocks.
     model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4, num_blocks=9, dtype="float32"))

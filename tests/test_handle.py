@@ -103,3 +103,11 @@ def test_cuda_submit_returns_before_the_device_finishes_and_wait_orders_the_read
     assert handle.ready()
     torch.testing.assert_close(outputs, torch.tanh(x @ weight))
     runner.close()
+
+
+@pytest.mark.parametrize("given", [3, "tokens", [torch.ones(2)]])
+def test_to_host_refuses_what_is_not_a_tensor_by_name(given: object) -> None:
+    runner, _ = make()
+    with pytest.raises(InputError, match=r"to_host\(\) copies tensors: argument 1 is"):
+        runner.to_host(torch.ones(2), given)  # type: ignore[arg-type]
+    runner.close()

@@ -24,6 +24,10 @@ def test_an_old_name_imports_the_new_module_with_a_warning(
     with pytest.warns(DeprecationWarning, match=f"{old} is now {new}: import it from there"):
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)
+    # The module keeps its own spec (the import system set the old name's on it: reload() then re-ran
+    # nothing, as it reloads by the spec's name through this finder).
+    assert module.__spec__ is not None and module.__spec__.name == new
+    assert module.__spec__.origin is not None and module.__spec__.origin.endswith(".py")
     assert not (PACKAGE_ROOT / (old.replace(".", "/") + ".py")).exists(), "the old file is still there"
 
 

@@ -8,7 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from devgraph import ConfigError, GraphRunner, PhaseConfig, StaticInput, create_backend
+from devgraph import (
+    BackendUnavailableError,
+    ConfigError,
+    GraphRunner,
+    PhaseConfig,
+    StaticInput,
+    create_backend,
+)
 from devgraph.runner.options import FLAG_KEYS, RunnerPlan, flag_over_arguments
 
 INPUTS = {"x": StaticInput(torch.float32, (3,))}
@@ -61,11 +68,22 @@ def test_a_compiler_where_auto_resolves_to_a_strategy_that_does_not_compile_name
         ("capture_context", 3, "capture_context= must be a callable or None"),
         ("capture_hook", "hook", "capture_hook= must be a callable or None"),
         ("mode", 3, "mode= must be a strategy name"),
+        ("record_steps", "no", "record_steps= must be True or False"),
+        ("axes", "requests", r"decode runner axes= must be a mapping of axis name to its sizes"),
+        ("variants", "greedy", r"decode runner variants= must be a mapping of variant name to its values"),
+        ("output_axes", 3, "output_axes must be a list"),
     ],
 )
 def test_hostile_arguments_are_refused_before_anything_is_built(argument, value, expected):
     with pytest.raises(ConfigError, match=expected):
         runner(**{argument: value})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA (CUDA is usable here)")
+def test_a_device_this_torch_cannot_use_is_refused_by_name():
+    # cuda on a CPU-only torch: the platform is registered but unusable (torch's own AssertionError before).
+    with pytest.raises(BackendUnavailableError, match=r"device 'cuda': platform '\w+' is unusable here"):
+        GraphRunner(double, phase="decode", inputs=INPUTS, device="cuda", sizes=[1])
 
 
 def test_a_compiler_for_a_backend_given_built_is_refused():

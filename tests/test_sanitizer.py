@@ -105,6 +105,16 @@ def test_a_host_scalar_baked_at_capture_stops_the_first_replay_that_differs(devi
     torch.testing.assert_close(live.run(x=x, context=VarlenMeta(4096)), _varlen(x, 4096))
 
 
+def test_a_compiled_forward_that_reads_the_context_captures_with_the_sanitizer_on():
+    # Dynamo traces the forward during the capture; the recording view (a proxy) made that trace fail and
+    # the capture with it, with the checks on (the default) and never with them off.
+    runner = _runner(varlen_forward, "cpu", compiler="eager", capture_context=lambda key: VarlenMeta(1024))
+    runner.capture()
+    x = torch.randn(3, WIDTH)
+    torch.testing.assert_close(runner.run(x=x, context=VarlenMeta(1024)), _varlen(x, 1024))
+    assert runner.stats()["replays"] == 1
+
+
 @dataclasses.dataclass
 class StaticMeta(VarlenMeta):
     """The same metadata with ``max_seqlen_k`` declared static: the graph keeps the capture's on purpose."""

@@ -265,6 +265,50 @@ def test_unexpected_failures_and_a_missing_metrics_extra_are_json_too() -> None:
     )
 
 
+def test_a_failure_after_a_stream_began_ends_the_stream_with_an_error_event() -> None:
+    """In-process: a bug while a stream is under way (the first events sent) ends it with an error event
+    and [DONE]; it answered a 500 response written into the open stream (a corrupt chunked body)."""
+    from types import SimpleNamespace
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from devgraph.serve.api import generate
+    from devgraph.serve.api.app import ServerState, build_app
+
+    aborted = []
+
+    async def failing_next(queue: Any) -> Any:
+        raise ValueError("a bug while streaming")
+
+    run = SimpleNamespace(
+        generation=SimpleNamespace(model="tiny", continuous_usage=False, include_usage=True),
+        groups={"cmpl-1": None},
+        choices={0: SimpleNamespace(index=0)},
+        open=1,
+        failed=None,
+        next=failing_next,
+        abort=lambda: aborted.append(True),
+    )
+    shape = SimpleNamespace(object="text_completion", opening=lambda choice: {"index": 0, "text": ""})
+
+    async def streaming(request: Any) -> Any:
+        return await generate._stream(request, run, shape, asyncio.Queue())  # type: ignore[arg-type]
+
+    async def main() -> tuple[int, bytes]:
+        app = build_app(ServerState(engine=None, model_name="tiny", metrics=None, max_queued=1))  # type: ignore[arg-type]
+        app.router.add_get("/streaming", streaming)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            response = await client.get("/streaming")
+            return response.status, await response.read()
+
+    status, body = asyncio.run(main())
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and b"HTTP/1.1" not in body, body
+    assert json.loads(events[0])["choices"] == [{"index": 0, "text": ""}]
+    assert json.loads(events[1])["error"]["message"].startswith("the server failed while streaming")
+    assert events[2:] == ["[DONE]"] and aborted == [True]
+
+
 def test_start_up_logs_each_stage_when_stderr_is_not_a_terminal(server: Server) -> None:
     # The server fixture's stderr is a pipe: no bar, one INFO line per stage and per captured graph (in the
     # background, the default; test_serve_background.py has the lines of a capture before listening).
@@ -307,6 +351,34 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server: Server) -> None:
     stats = server.wait_idle()
     assert stats["kv_blocks_free"] == total
     assert stats["finished"].get("abort", 0) == aborted_before + 1
+
+
+def _quiet_hang_ups(server: Server, logged: int, count: int) -> list[str]:
+    """The server's log since line ``logged`` once it has told of ``count`` clients that hung up."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = server.stderr[logged:]
+        if sum("the client closed the connection" in line for line in lines) >= count:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError("".join(server.stderr[logged:])[-3000:])
+
+
+def test_a_client_that_hangs_up_is_no_server_error(server: Server) -> None:
+    # Mid-body (the body's read fails) and mid-stream (where the next token's write fails): each is logged
+    # as the client's doing in one line, never as a failed request with a traceback.
+    logged = len(server.stderr)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 200, "n": 2, "stream": True})
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert connection.getresponse().readline().startswith(b"data: ")
+    connection.close()
+    server.wait_idle()
+    with socket.create_connection(("127.0.0.1", server.port)) as raw:
+        raw.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt"')
+    lines = _quiet_hang_ups(server, logged, 1)  # the body's, at least (a stream may end unwritten)
+    assert not any("Traceback" in line or " ERROR " in line for line in lines), "".join(lines)
+    assert server.post({"prompt": [1, 2], "max_tokens": 2})[0] == 200
 
 
 def test_metrics_expose_runner_statistics_and_latency_histograms(server: Server) -> None:

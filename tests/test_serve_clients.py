@@ -84,6 +84,19 @@ def test_echo_with_logprobs_equals_transformers_log_softmax(case: Any, client: A
     assert got == pytest.approx(expected, abs=1e-4)
 
 
+def test_echo_with_logprobs_scores_every_prompt_token_even_where_its_text_is_empty(client: Any) -> None:
+    # An empty prompt is its BOS token alone: echo's text is "" but the token is the prompt's, as
+    # usage counts it (the log probabilities left it out while the prompt had no text).
+    for prompt, max_tokens in (("", 0), ("", 2), ("hello", 0)):
+        result = client.completions.create(
+            model=client.models.list().data[0].id, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=1
+        )
+        logprobs = result.choices[0].logprobs
+        assert len(logprobs.tokens) == result.usage.prompt_tokens + max_tokens, (prompt, logprobs)
+        assert logprobs.token_logprobs[0] is None and logprobs.text_offset[0] == 0
+        assert result.choices[0].text.startswith(prompt)
+
+
 # -- batched prompts, n and best_of ---------------------------------------------------------------------
 def test_batched_prompts_and_n_copies_share_one_prefill_per_prompt(
     case: Any, client: Any, server: ServerProcess

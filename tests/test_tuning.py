@@ -355,6 +355,11 @@ def _hostile_files(tmp_path):
         "JSON nested 100000 deep": ("[" * 100_000 + "]" * 100_000, "nests"),
         "steps past the cap": (head + "4, " + str(1 << 41) + "]]}}}", "number of steps must be"),
         "a list of lists": ("[[[1]]]", "must be a JSON object (a runner's stats())"),
+        "an empty list": ("[]", "holds no recorded steps; record traffic first"),
+        "a trace of no phases": (
+            '{"format": "devgraph-steps", "version": 1, "phases": {}}',
+            "holds no recorded",
+        ),
     }
     paths = {}
     for name, (text, needle) in files.items():
@@ -376,6 +381,9 @@ def test_every_hostile_trace_is_one_line_naming_the_file(tmp_path, capsys):
     decode = write_trace(tmp_path / "ok.json", [PhaseSteps("decode", ("tokens",), Counter({(3,): 2}))])
     assert main(["tune", str(decode), "--out", str(tmp_path / "no" / "dir.json")]) == 2
     assert "--out" in capsys.readouterr().err
+    # An axis the trace never recorded was ignored: the flag printed as if it had been tuned.
+    assert main(["tune", str(decode), "--axis", "requets=2"]) == 2
+    assert "--axis requets: the recorded decode steps have no such axis" in capsys.readouterr().err
 
 
 def test_a_two_axis_runners_stats_export_is_read_with_its_axes_sizes_and_bytes():

@@ -107,6 +107,11 @@ def _table(tunings: list[PhaseTuning]) -> str:
 
 def run_tune(args: argparse.Namespace) -> int:
     recorded = load_steps(args.steps)
+    if not recorded:  # an empty list or trace: tuning it would print an empty flag as if it were one
+        raise ConfigError(
+            f"{args.steps} holds no recorded steps; record traffic first (devgraph serve --record-steps "
+            "PATH, or a runner built with record_steps=True)"
+        )
     phases = args.phase or sorted(recorded)
     missing = [p for p in phases if p not in recorded]
     if missing:
@@ -114,6 +119,13 @@ def run_tune(args: argparse.Namespace) -> int:
             f"{args.steps} holds no recorded {', '.join(missing)} steps (it has {sorted(recorded)})"
         )
     axis_graphs = dict(args.axis)
+    recorded_axes = sorted({a for p in phases for a in recorded[p].axes} - {"tokens"})
+    unknown = sorted(set(axis_graphs) - set(recorded_axes))
+    if unknown:
+        raise ConfigError(
+            f"--axis {unknown[0]}: the recorded {', '.join(phases)} steps have no such axis (their other "
+            f"axes: {', '.join(recorded_axes) or 'none'})"
+        )
     tunings = []
     for phase in phases:
         uniform = Phase.parse(phase).uniform  # requests follow from tokens there

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
+
 __all__ = [
     "CaptureView",
     "STATIC_VALUES",
@@ -61,8 +63,11 @@ _state = _State()
 
 def get_forward_context() -> Any:
     """The per-step context object handed to ``GraphRunner.run(context=...)``, or ``None``."""
+    # Dynamo cannot trace through the recording view (a proxy object): a compiled forward reads the plain
+    # context while it is traced (docs/sanitizer.md, "Not compared"). is_compiling() comes first: dynamo
+    # folds it, so a compiled forward never guards on the capture's state (no recompile at capture).
     view = _state.view
-    if view is not None and _state.capturing:
+    if not torch.compiler.is_compiling() and view is not None and _state.capturing:
         return view.during_capture()
     return _state.context
 

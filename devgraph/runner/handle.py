@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from devgraph.contract.platform import DeviceEvent
+from devgraph.errors import InputError
+from devgraph.messages import shorten
 
 __all__ = ["HostCopy", "StepHandle", "copy_to_host"]
 
@@ -66,7 +68,12 @@ def copy_to_host(tensors: Sequence[torch.Tensor], record_event: Any) -> HostCopy
     blocking: each into pinned memory with a non-blocking copy, then ``record_event()`` (the platform's).
     Tensors already on the host are copied too (the result never aliases a buffer a later step rewrites)."""
     host = []
-    for tensor in tensors:
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(
+                f"to_host() copies tensors: argument {index} is {shorten(tensor)}; pass each tensor as an "
+                "argument of its own (to_host(*tensors) for a list)"
+            )
         if tensor.device.type == "cpu":
             host.append(tensor.clone())
             continue

@@ -31,7 +31,7 @@ from devgraph.contract.phases import Phase
 from devgraph.contract.platform import GraphPlatform
 from devgraph.errors import ConfigError
 from devgraph.flag.config import DeviceGraphConfig, PhaseConfig
-from devgraph.flag.factory import ResolvedPhase, build_backend, resolve_phase, resolve_platform
+from devgraph.flag.factory import ResolvedPhase, build_backend, resolve_phase, usable_platform
 from devgraph.flag.values import check_field
 from devgraph.messages import shorten
 from devgraph.runner.outputs.layout import check_output_axes
@@ -335,6 +335,7 @@ def plan_runner(
     progress = options.get("progress")
     _check("progress", progress, progress is None or isinstance(progress, bool), "True, False or None")
     lockstep = _flags("check_lockstep", options.get("check_lockstep", False))
+    _flags("record_steps", options.get("record_steps", False))
     distributed = Distributed(options.get("process_group"), options.get("dp_group"), lockstep)
     safety = Safety(
         as_state(options.get("state")),
@@ -353,7 +354,8 @@ def plan_runner(
                 "(pass the compiler in its options: devgraph.create_backend(..., options={'compiler': ...}))"
             )
     device = options.get("device")
-    platform = backend.platform if backend is not None else resolve_platform(device)  # the one resolution
+    # The one resolution; a device no platform can use here (cuda on a CPU-only torch) is refused by name.
+    platform = backend.platform if backend is not None else usable_platform(device, flag="device")
     settings = flag_over_arguments(flag.for_phase(phase), given)
     try:
         resolved = resolve_phase(

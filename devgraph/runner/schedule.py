@@ -61,6 +61,12 @@ class KeySchedule:
         self.phase = phase
         self.token_sizes: tuple[int, ...] = tuple(sorted(set(token_sizes)))
         self.tokens_per_request = tokens_per_request
+        for name, given, wanted in (
+            ("axes", axes, "a mapping of axis name to its sizes, e.g. {'requests': [1, 4]}"),
+            ("variants", variants, "a mapping of variant name to its values, e.g. {'greedy': (False, True)}"),
+        ):
+            if given is not None and not isinstance(given, Mapping):
+                raise ConfigError(f"{phase} runner {name}= must be {wanted}, got {shorten(given)}")
         declared = dict(axes or {})
         unknown = sorted(set(declared) - set(axis_names))
         if unknown:

@@ -239,7 +239,9 @@ def check_output_axes(value: Any) -> Any:
     if value is None:
         return None
     items = value.values() if isinstance(value, Mapping) else value
-    if isinstance(value, str) or not all(a is None or isinstance(a, str) for a in items):
+    if not isinstance(value, (Mapping, list, tuple)) or not all(
+        a is None or isinstance(a, str) for a in items
+    ):
         raise ConfigError(
             "output_axes must be a list (one entry per output leaf) or a mapping from leaf path to an axis "
             f"name or None, got {shorten(value)}"

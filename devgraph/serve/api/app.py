@@ -131,9 +131,20 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return response
     except asyncio.CancelledError:
         raise
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, ConnectionError) and _client_left(request):
+            # A client that hangs up (Ctrl-C, a load generator's cancel) is no server failure: its
+            # requests were aborted on the way out; aiohttp drops this reply to the closed connection.
+            logger.info("%s %s: the client closed the connection (%s)", request.method, request.path, exc)
+            return web.Response(status=499, text="client closed request")
         logger.exception("%s %s failed", request.method, request.path)
         return _error(ApiError(500, "the server failed on this request; see its log"))
+
+
+def _client_left(request: web.Request) -> bool:
+    """Whether the client's connection is gone (closed, or closing)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _routes(app: web.Application) -> list[str]:
@@ -314,7 +325,9 @@ async def _generation(request: web.Request, parse: Parser, *, off_loop: bool = F
         return _error(ApiError(400, str(exc), param="messages" if off_loop else "prompt"))
     except RendererBusy as exc:
         return _error(ApiError(503, str(exc), kind="unavailable"))
-    except Exception:  # a body the checks above missed: a bug, but the client still gets JSON
+    except Exception as exc:  # a body the checks above missed: a bug, but the client still gets JSON
+        if isinstance(exc, ConnectionError) and _client_left(request):
+            raise  # the client hung up mid-body: json_errors says so, quietly
         logger.exception("checking a %s request failed", request.path)
         return _error(ApiError(500, "the server failed to read this request; see its log"))
     if state.outbox is None:

@@ -193,7 +193,7 @@ class CompletionShape:
         parts: list[dict[str, Any] | None] = []
         if self.logprobs:
             offset = self._offsets.get(choice.index, 0)
-            if echo and self.echo_logprobs:
+            if first and self.echo_logprobs:  # every prompt token, even where its text is empty (a BOS)
                 prompt = self.prompts[choice.prompt]
                 entries = choice.prompt_logprobs or [None] * len(prompt)
                 parts.append(self.names.completion_logprobs(prompt, entries, offset))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +44,8 @@ from devgraph.serve.engine.engine_thread import EngineAsleep, EngineClosed, Engi
 from devgraph.serve.engine.request import FinishReason, RequestOutput, TokenLogprob
 
 __all__ = ["ASLEEP_MESSAGE", "Choice", "Outbox", "Shape", "respond"]
+
+logger = logging.getLogger(__name__)
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 ASLEEP_MESSAGE = "the server is asleep (sleep mode): POST /wake_up, then send requests again"
@@ -294,9 +297,29 @@ async def _stream(
     request: web.Request, run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput]
 ) -> web.StreamResponse:
     created = now()
-    generation = run.generation
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
+    try:
+        await _events(response, run, shape, queue, created)
+    except Exception as exc:
+        if isinstance(exc, ConnectionError):
+            raise  # the client left: respond() aborts its requests
+        # The stream has begun, so no 500 response can follow (aiohttp would write its status line into
+        # the open stream): the error is the stream's last event, as an engine failure's is.
+        logger.exception("streaming a %s response failed", request.path)
+        run.abort()
+        message = "the server failed while streaming this request; see its log"
+        await _event(response, error_body(ApiError(500, message)))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _events(
+    response: web.StreamResponse, run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput], created: int
+) -> None:
+    """The stream's events up to (not including) ``[DONE]``."""
+    generation = run.generation
     head = _head(shape, generation, next(iter(run.groups)), created, chunk=True)
 
     def usage() -> dict[str, Any]:
@@ -326,9 +349,6 @@ async def _stream(
         await _event(response, {**head, "choices": [piece], **usage()})
     if generation.include_usage and run.failed is None:
         await _event(response, {**head, "choices": [], "usage": run.usage()})
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
 
 
 async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:

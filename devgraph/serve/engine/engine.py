@@ -745,6 +745,9 @@ class Engine:
         now: float | None = None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> RequestOutput:
+        if prompt_logprobs is None and request.first_token_time is None and reason is FinishReason.LENGTH:
+            # max_tokens 0: the prompt is the answer (read from the group before its last copy closes it)
+            prompt_logprobs = self._group_prompt_logprobs(request)
         self.scheduler.remove(request)
         self._requests.pop(request.request_id, None)
         group = self._groups.get(request.group)
@@ -753,8 +756,6 @@ class Engine:
         request.finish_reason = reason
         self.finished_count[reason.value] += 1
         now = time.monotonic() if now is None else now
-        if prompt_logprobs is None and request.first_token_time is None and reason is FinishReason.LENGTH:
-            prompt_logprobs = self._group_prompt_logprobs(request)  # max_tokens 0: the prompt is the answer
         scheduled, first = request.scheduled_time, request.first_token_time
         return RequestOutput(
             request.request_id,
