@@ -689,3 +689,24 @@ def _healthy(server: ServerProcess) -> bool:
     """/health answers 200 ``ok`` (with the background capture's progress: the default captures there)."""
     status, body = server.request("GET", "/health")
     return status == 200 and body["status"] == "ok" and body.get("graphs", {"error": None})["error"] is None
+
+
+def test_the_in_flight_limit_counts_every_prompt_of_a_request() -> None:
+    # --max-queued-requests 2: a list of 3 prompts alone can never fit (400, not a 429 to retry); with two
+    # prompts streaming, one more prompt is past the limit (429) whether it comes alone or in a list.
+    srv = Server("--device-graph-mode", "disabled", "--max-queued-requests", "2", "--token-budget", "32")
+    try:
+        status, body = srv.post({"prompt": [[5, 6], [7, 8], [9, 10]], "max_tokens": 1})
+        assert status == 400 and "3 prompts" in body["error"]["message"], body
+        assert "--max-queued-requests" in body["error"]["message"]
+        streaming = srv.stream({"prompt": [[5, 6, 7], [8, 9, 10]], "max_tokens": 240, "ignore_eos": True})
+        next(streaming)  # both prompts are in flight now
+        for prompt in ([3, 4], [[3, 4]]):
+            status, body = srv.post({"prompt": prompt, "max_tokens": 1})
+            assert status == 429 and body["error"]["type"] == "overloaded", body
+        streaming.close()
+        srv.wait_idle()
+        status, body = srv.post({"prompt": [[5, 6], [7, 8]], "max_tokens": 1})
+        assert status == 200 and len(body["choices"]) == 2, body
+    finally:
+        assert srv.stop() == 0

@@ -77,6 +77,19 @@ def test_engine_refuses_to_sleep_with_requests_in_flight() -> None:
     engine.close()
 
 
+def test_a_level_that_can_never_work_is_named_before_the_requests_in_flight() -> None:
+    # POST /sleep?level=3 while busy: the level is the client's mistake (400), not a 409 to retry later.
+    loop = EngineLoop(make_engine())
+    try:
+        loop.submit(PROMPT, SamplingParams(max_tokens=8), lambda output: None)  # queued: never started
+        with pytest.raises(ConfigError, match="sleep level must be one of"):
+            loop.sleep(3)
+        with pytest.raises(ConfigError, match="in flight"):
+            loop.sleep(1)
+    finally:
+        loop.engine.close()
+
+
 def test_server_sleep_wake_up_is_sleeping_and_503_while_asleep() -> None:
     from aiohttp.test_utils import TestClient, TestServer
 

@@ -141,6 +141,22 @@ async def json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(ApiError(500, "the server failed on this request; see its log"))
 
 
+def _check_room(state: ServerState, adding: int) -> None:
+    """429 when the engine requests this one adds (one per prompt) would take the in-flight count past
+    ``--max-queued-requests``; 400 when this request alone has more prompts than the limit (retrying it
+    can never succeed)."""
+    limit = state.max_queued
+    if adding > limit:
+        raise ApiError(
+            400,
+            f"this request has {adding} prompts and the server takes at most {limit} requests in flight "
+            "(--max-queued-requests): send the prompts in smaller lists",
+            param="prompt",
+        )
+    if state.engine.in_flight() + adding > limit:
+        raise ApiError(429, f"{limit} requests are in flight; retry later", kind="overloaded")
+
+
 def _client_left(request: web.Request) -> bool:
     """Whether the client's connection is gone (closed, or closing)."""
     transport = request.transport
@@ -317,8 +333,7 @@ async def _generation(request: web.Request, parse: Parser, *, off_loop: bool = F
             generation, shape = parse(body, state)
         if generation.grammar is not None:  # compiled off the event loop, bounded, cached
             generation = await attach_grammar(state.grammar_compiler(), generation)
-        if state.engine.in_flight() >= state.max_queued:
-            raise ApiError(429, f"{state.max_queued} requests are in flight; retry later", kind="overloaded")
+        _check_room(state, len(generation.prompts))
     except ApiError as exc:
         return _error(exc)
     except InputError as exc:  # a chat template that refuses the messages, text that is not Unicode

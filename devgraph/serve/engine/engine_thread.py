@@ -23,6 +23,7 @@ import torch
 from devgraph import ConfigError, DevGraphError
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.request import FinishReason, RequestOutput, SamplingParams
+from devgraph.serve.engine.sleep import check_level
 
 __all__ = ["EngineAsleep", "EngineClosed", "EngineLoop", "Sink"]
 
@@ -111,6 +112,7 @@ class EngineLoop:
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Put the engine to sleep (:meth:`Engine.sleep`) between two steps; refused (ConfigError) while
         requests are in flight or queued. Blocks until done: call it from a worker thread."""
+        check_level(level)  # a level that can never work is the caller's mistake (400), before the 409
         with self._state_lock:  # the engine thread is between steps, not stepping
             with self._cond:
                 if self._adds or self._sinks or self.engine.has_work:
