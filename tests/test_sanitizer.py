@@ -28,6 +28,7 @@ from devgraph.reference import (
     make_verify_batch,
     verify_runner,
 )
+from devgraph.runner.guard.host_values import HostValues
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 WIDTH = 8
@@ -430,3 +431,27 @@ def test_inputs_at_new_addresses_every_step_are_copied_in(device):
     for n in (2, 3, 4):
         x = torch.randn(n, WIDTH, device=device)  # a new tensor, a new address, every step
         torch.testing.assert_close(runner.run(x=x), torch.tanh(x @ w))
+
+
+# -- A host tensor of a device runner re-made each step ---------------------------------------------------
+@dataclasses.dataclass
+class StepCounter:
+    step: torch.Tensor
+
+
+def test_a_host_tensor_re_made_with_the_same_values_is_named_as_such():
+    # A device runner's forward read context.step (a CPU tensor) at capture. A new tensor of the same value
+    # may still be a hazard (a captured copy from host memory reads the old tensor's memory), so the guard
+    # stops the replay, and says what differs and the one fix that is right either way.
+    values = HostValues("decode", host_device=True)
+    key = GraphKey(tokens=1)
+    record = values.recording(lambda key: StepCounter(torch.tensor(3)))
+    assert record is not None
+    int(record(key).during_capture().step)
+    with pytest.raises(
+        ReplayError, match="another host tensor than at capture, with the same values"
+    ) as info:
+        values.check(key, StepCounter(torch.tensor(3)))
+    assert "refill it in place" in str(info.value)
+    with pytest.raises(ReplayError, match="another tensor than at capture"):
+        values.check(key, StepCounter(torch.tensor(4)))
