@@ -12,11 +12,11 @@ import pytest
 import torch
 from servers import ServerProcess
 
-from devgraph import DeviceGraphConfig
+from devgraph import ConfigError, DeviceGraphConfig
 from devgraph.reference import ReferenceConfig, ReferenceModel
 from devgraph.serve.cli import add_serve_parser
 from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
-from devgraph.serve.startup import capture_plan
+from devgraph.serve.startup import build_engine, capture_plan
 
 pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp (pip install aiohttp)")
 
@@ -95,6 +95,12 @@ def _graphs(text: str) -> DeviceGraphConfig:
         (None, '{"decode": {"backend": "full", "fallback": "tc_piecewise"}}', 1, False, "compiles"),
         (True, '{"decode": {"backend": "full", "compiler": "inductor"}}', 1, True, "--capture-in-background"),
         (False, "auto", 1, False, "--no-capture-in-background"),
+        # A fallback graph set cannot be captured key by key: the default used to pick the background, and
+        # the server then refused to start ("the decode runner has a fallback graph set").
+        (None, '{"decode": {"backend": "full", "fallback": "breakable"}}', 1, False, "fallback graph set"),
+        # Lazy phases capture each key on first sight: nothing to capture in the background.
+        (None, '{"decode": {"lazy": true}, "prefill": {"lazy": true}}', 1, False, "lazy"),
+        (None, '{"decode": {"lazy": true}}', 1, True, "the default"),
     ],
 )
 def test_where_the_graphs_are_captured_by_default(
@@ -102,6 +108,51 @@ def test_where_the_graphs_are_captured_by_default(
 ) -> None:
     chosen, why = capture_plan(asked, _graphs(flag), ranks)
     assert chosen is background and said in why
+
+
+def test_auto_is_judged_by_the_backend_it_resolves_to_on_the_platform() -> None:
+    # ROCm's auto prefill is tc_piecewise, which compiles: captured before serving, as a named
+    # tc_piecewise is; on the CPU auto is full and breakable, which do not.
+    assert capture_plan(None, _graphs("auto"), 1, "rocm") == capture_plan(
+        None, _graphs("prefill=tc_piecewise")
+    )
+    assert not capture_plan(None, _graphs("auto"), 1, "rocm")[0]
+    assert capture_plan(None, _graphs("auto"), 1, "cpu")[0]
+
+
+def test_capture_in_background_with_a_fallback_is_refused_in_the_flags_words() -> None:
+    with pytest.raises(ConfigError, match="--capture-in-background .* fallback graph set .*decode"):
+        capture_plan(True, _graphs('{"decode": {"backend": "full", "fallback": "breakable"}}'))
+
+
+def _serve_args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *flags])
+
+
+def test_a_fallback_graph_set_is_served_on_the_default(one_torch_thread: None) -> None:
+    mode = '{"decode": {"backend": "full", "fallback": "breakable"}}'
+    args = _serve_args("--preset", "tiny", "--device", "cpu", "--device-graph-mode", mode)
+    engine = build_engine(args)  # was: ConfigError "the decode runner has a fallback graph set"
+    try:
+        assert engine.background is None and engine.decode_runner.keys
+        assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
+    finally:
+        engine.close()
+
+
+def test_the_warm_up_is_not_counted_as_steps_served_while_capturing(one_torch_thread: None) -> None:
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4), seed=0)
+    engine = Engine(model, EngineConfig(4, 16), device_graph_mode="auto", progress=False, capture=False)
+    engine.capture_in_background()
+    engine.warm_up()  # the server's, before it listens: every step eager, read at once ("capturing")
+    try:
+        assert engine.stats()["serial_steps"] == {}
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert engine.stats()["serial_steps"]["capturing"] > 0  # a request's steps still count
+    finally:
+        engine.close()
 
 
 def test_a_server_on_its_defaults_answers_before_its_graphs() -> None:

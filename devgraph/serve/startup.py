@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from devgraph import ConfigError, DeviceGraphConfig, resolve_platform
-from devgraph.flag.factory import usable_platform
+from devgraph.flag.factory import resolve_mode, usable_platform
+from devgraph.messages import shorten
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.kernels.backends import auto_fallback_note
 from devgraph.serve.checkpoint.source import ModelSource, open_model
@@ -189,7 +190,9 @@ def build_engine(
     )
     mode = args.device_graph_mode
     graphs = mode if isinstance(mode, DeviceGraphConfig) else DeviceGraphConfig.parse(mode or "auto")
-    background, why = capture_plan(getattr(args, "capture_in_background", False), graphs, shards)
+    background, why = capture_plan(
+        getattr(args, "capture_in_background", False), graphs, shards, resolve_platform(device).name
+    )
     logger.info(
         "%s graphs (--device-graph-mode %s): %s",
         "serving before the" if background else "capturing",
@@ -224,34 +227,59 @@ def build_engine(
     return engine
 
 
-def capture_plan(asked: bool | None, graphs: DeviceGraphConfig, ranks: int = 1) -> tuple[bool, str]:
+def capture_plan(
+    asked: bool | None, graphs: DeviceGraphConfig, ranks: int = 1, platform: str | None = None
+) -> tuple[bool, str]:
     """Whether the graphs are captured in the background (the engine answers from the moment the weights
     are loaded, running eagerly until each step's key is captured) or all of them before the server
     listens, and why, for the log. ``asked``: ``--capture-in-background`` (``True``),
     ``--no-capture-in-background`` (``False``) or neither (``None``: in the background where that is safe
-    and pays).
+    and pays). ``platform``: the platform's name, so that ``auto`` is judged by the backend it resolves to
+    there (ROCm's prefill is ``tc_piecewise``, which compiles); ``None`` judges the flag as written.
 
     Up front by default where the background would not pay or not be safe: with several ranks (each rank
     must capture the same key between the same two steps), where a phase compiles (a key's compile takes
     seconds, and a request arriving during it waits for all of them: a first response sooner but a slow
-    one, and compiled code the first steps never ran), and where no phase has graphs."""
+    one, and compiled code the first steps never ran), where no phase has graphs or every phase with graphs
+    captures lazily (nothing to capture before the first steps). A phase with a ``fallback`` graph set
+    cannot be captured key by key: the default captures it up front and ``--capture-in-background`` is
+    refused with a :class:`ConfigError` saying so."""
+    phases = {name: graphs.for_phase(name) for name in ("decode", "prefill")}
+    backends = {
+        name: phase.backend if platform is None else resolve_mode(platform, name, phase.backend)
+        for name, phase in phases.items()
+    }
+    with_fallback = [name for name, phase in phases.items() if phase.fallback is not None]
+    if asked and with_fallback:
+        raise ConfigError(
+            f"--capture-in-background captures one key at a time, which a phase with a fallback graph set "
+            f"cannot ({' and '.join(with_fallback)}: --device-graph-mode {shorten(graphs.source)}); drop "
+            "the fallback, or drop --capture-in-background to capture before listening"
+        )
     if asked is not None:
         return asked, "--capture-in-background" if asked else "--no-capture-in-background"
-    phases = [graphs.for_phase(phase) for phase in ("decode", "prefill")]
     if ranks > 1:
         return False, "every rank captures before serving (the default under tensor parallelism)"
-    if all(phase.backend in ("disabled", "eager") for phase in phases):
+    graphed = [phase for name, phase in phases.items() if backends[name] not in ("disabled", "eager")]
+    if not graphed:
         return False, "no phase has graphs"
     compiling = [
         phase
-        for phase in phases
-        if phase.compiler is not None or "tc_piecewise" in (phase.backend, phase.fallback)
+        for name, phase in phases.items()
+        if phase.compiler is not None or "tc_piecewise" in (backends[name], phase.fallback)
     ]
     if compiling:
         return False, (
             "captured before serving, the default where a phase compiles (a compile between two steps would "
             "hold every request that arrives meanwhile); --capture-in-background serves before them anyway"
         )
+    if with_fallback:
+        return False, (
+            f"captured before serving, the default where a phase has a fallback graph set "
+            f"({' and '.join(with_fallback)}: its keys cannot be captured one at a time)"
+        )
+    if all(phase.lazy for phase in graphed):
+        return False, "each key is captured on first sight (lazy), so there is nothing to capture before"
     return True, (
         "captured between steps while the server answers (the default; --no-capture-in-background "
         "captures them all before listening)"

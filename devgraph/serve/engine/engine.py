@@ -273,6 +273,7 @@ class Engine:
         output = warm_up_lengths(self.model_config)[1]
         self.generate([[0], [1] * longest], SamplingParams(max_tokens=output))
         self.step_counts.clear()
+        self.serial_steps.clear()  # the warm-up's steps are no request's: "capturing" counts served ones
         self.finished_count.clear()
         self.engine_padding = 0
         self.prompt_tokens = self.generation_tokens = self.prefill_tokens = 0
