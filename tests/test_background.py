@@ -125,6 +125,23 @@ def test_a_failed_key_releases_the_graphs_and_steps_stay_eager(caplog: pytest.Lo
         background.finish()
 
 
+def test_abandon_stops_without_an_error_and_a_new_capture_takes_the_keys_again() -> None:
+    done, capturing = _runner(Stateful()), _runner(Stateful())
+    background = BackgroundCapture([done, capturing])
+    while background.step() and not capturing.keys:
+        pass
+    assert done.keys and capturing.keys and not background.done
+    background.abandon()
+    assert background.done and background.error is None and not background.progress()["ready"]
+    assert capturing.keys == [] and len(done.keys) == len(SIZES)  # a finished runner keeps its graphs
+    capturing.run(x=torch.randn(8, 16))
+    assert capturing.stats()["eager_by_reason"]["before_capture"] == 1
+    again = BackgroundCapture([done, capturing])
+    assert again.total == len(SIZES)
+    again.finish()
+    assert [k.tokens for k in sorted(capturing.keys, key=lambda k: k.tokens)] == sorted(SIZES)
+
+
 def test_capture_finishes_the_rest_and_refresh_close_retune_behave() -> None:
     fn = Stateful()
     runner = _runner(fn)

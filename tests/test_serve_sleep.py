@@ -68,6 +68,34 @@ def test_engine_sleeps_frees_graphs_and_kv_cache_and_wakes_with_the_same_tokens(
     engine.close()
 
 
+@pytest.mark.parametrize("keys_before", [0, 1])
+def test_sleep_during_a_background_capture_stops_it_and_wake_up_captures_again(keys_before: int) -> None:
+    # The server captures in the background by default: a sleep right after it starts used to be a 409
+    # ("the graphs are still being captured") although /health said ok.
+    expected = make_engine().generate([PROMPT], SamplingParams(max_tokens=5))[0]
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4), seed=0)
+    config = EngineConfig(4, 16, deterministic=True)
+    engine = Engine(model, config, device_graph_mode="full", progress=False, capture=False)
+    background = engine.capture_in_background()
+    for _ in range(keys_before):
+        background.step()
+    assert not background.done
+    freed = engine.sleep(1)
+    assert engine.is_sleeping and background.done and background.error is None
+    assert freed["graph_bytes"] > 0 if keys_before else freed["graph_bytes"] == 0
+    assert engine.stats()["graph_capture"] is None  # nothing is being captured while asleep
+    engine.wake_up()
+    again = engine.background
+    assert again is not None and again is not background and not again.done
+    # A runner whose keys were all captured was restored up front; the others capture key by key again.
+    assert again.total == background.total - keys_before and again.captured == 0
+    again.finish()
+    engine.decode_runner.reset_stats()
+    assert engine.generate([PROMPT], SamplingParams(max_tokens=5))[0] == expected
+    assert engine.decode_runner.stats()["replays"] > 0
+    engine.close()
+
+
 def test_engine_refuses_to_sleep_with_requests_in_flight() -> None:
     engine = make_engine()
     engine.add_request(PROMPT, SamplingParams(max_tokens=3))

@@ -60,6 +60,7 @@ class BackgroundCapture:
         self.runners = list(runners)
         self.lock = lock
         self.error: BaseException | None = None
+        self.abandoned = False  # abandon(): stopped for good before every key, without an error
         self.started = time.perf_counter()
         #: Seconds from construction to the last key captured (``None`` until then).
         self.ready_seconds: float | None = None
@@ -84,7 +85,7 @@ class BackgroundCapture:
 
     @property
     def done(self) -> bool:
-        """Every key captured, or the capture stopped (see :attr:`error`)."""
+        """Every key captured, or the capture stopped (see :attr:`error` and :attr:`abandoned`)."""
         return self.error is not None or not any(job.open for job in self._jobs)
 
     def progress(self) -> dict[str, Any]:
@@ -93,7 +94,7 @@ class BackgroundCapture:
         return {
             "captured": self.captured,
             "total": self.total,
-            "ready": self.done and self.error is None,
+            "ready": self.done and self.error is None and not self.abandoned,
             "ready_seconds": None if self.ready_seconds is None else round(self.ready_seconds, 3),
             "error": None if self.error is None else str(self.error),
         }
@@ -166,6 +167,16 @@ class BackgroundCapture:
             self._thread.join()
         self._thread = None
         self._stop.clear()
+
+    def abandon(self) -> None:
+        """Stop for good (no error): the thread stops after its key, the runners still capturing release
+        the keys they captured and run eagerly (``before_capture``) until captured again; a runner whose
+        keys were all captured keeps them. :attr:`done` from here on."""
+        self.stop()
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            self.abandoned = not self.done
+            for runner in self.runners:
+                runner.life.abandon()
 
     def _run(self, pause: float, device: Any) -> None:
         if device is not None and device.type == "cuda":

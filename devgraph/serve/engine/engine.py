@@ -76,7 +76,13 @@ from devgraph.serve.engine.sampler import (
     sample_on_device,
 )
 from devgraph.serve.engine.scheduler import Scheduler
-from devgraph.serve.engine.sleep import SleepMode, allocate_kv_cache, free_kv_cache, kv_cache_shape
+from devgraph.serve.engine.sleep import (
+    SleepMode,
+    allocate_kv_cache,
+    check_level,
+    free_kv_cache,
+    kv_cache_shape,
+)
 from devgraph.serve.engine.stats import engine_stats
 from devgraph.serve.engine.warmup import check_warm_up_fits, warm_up_lengths
 from devgraph.serve.engine.wire import StepMessage, encode_step
@@ -199,6 +205,7 @@ class Engine:
         self.finished_count: Counter[str] = Counter()
         #: The background capture in progress (capture_in_background()); None: graphs captured up front.
         self.background: BackgroundCapture | None = None
+        self._capture_on_wake = False  # sleep() stopped a background capture: wake_up() starts it again
         self.prompt_tokens = 0  # prompts of requests that got their first token (once per n copies)
         self.generation_tokens = 0  # tokens handed out (stop tokens are not)
         #: Prompt (and recomputed) tokens run through prefill chunks: n copies of a prompt count it once.
@@ -239,22 +246,36 @@ class Engine:
     # -- sleep mode (serve/engine/sleep.py) ------------------------------------------------------------
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Give the device memory of an idle engine back: level 1 releases both runners' graphs and their
-        pools, then frees the KV cache (its contents are lost); the weights stay. :class:`ConfigError`
-        while requests are in flight or graphs are captured in the background. Returns what was freed."""
+        pools, then frees the KV cache (its contents are lost); the weights stay. A capture in the background
+        stops (the keys it captured are released with the rest) and starts again on :meth:`wake_up`, so a
+        server put to sleep right after it started sleeps at once. :class:`ConfigError` while requests are
+        in flight. Returns what was freed."""
         busy = None
         if self.has_work:
             busy = (
                 f"the engine has {self.num_running + self.num_waiting} request(s) in flight: sleep when it "
                 "is idle (their KV cache would be freed under them)"
             )
-        elif self.background is not None and not self.background.done:
-            busy = "the graphs are still being captured in the background; sleep once they are"
-        return self.sleep_mode.sleep(level, busy)
+        check_level(level)  # before a background capture is stopped for a sleep that cannot happen
+        stopping = self.background if busy is None and not self.is_sleeping else None
+        released = 0
+        if stopping is not None and not stopping.done:
+            runners = (self.decode_runner, self.prefill_runner)
+            held = sum(r.graph_memory().total_bytes for r in runners)
+            stopping.abandon()  # the keys of runners still capturing are released here, not by sleep
+            released = held - sum(r.graph_memory().total_bytes for r in runners)
+            self.background, self._capture_on_wake = None, True
+        return self.sleep_mode.sleep(level, busy, released)
 
     def wake_up(self) -> dict[str, Any]:
         """Take the memory back after :meth:`sleep`: the KV cache first (its old size, zeroed), then the
-        graphs, captured on the new cache (no compile again). Returns the seconds each took."""
-        return self.sleep_mode.wake_up()
+        graphs, captured on the new cache (no compile again); a background capture that the sleep stopped
+        starts again, key by key between steps. Returns the seconds each took."""
+        took = self.sleep_mode.wake_up()
+        if self._capture_on_wake and not self.is_sleeping:
+            self._capture_on_wake = False
+            self.capture_in_background()
+        return took
 
     @property
     def sleep_level(self) -> int | None:

@@ -107,15 +107,16 @@ class SleepMode:
     def asleep(self) -> bool:
         return self.level is not None
 
-    def sleep(self, level: int, busy: str | None) -> dict[str, Any]:
+    def sleep(self, level: int, busy: str | None, released_bytes: int = 0) -> dict[str, Any]:
         """The graphs released, then the KV cache freed; returns what was freed. ``busy``: why the engine
-        cannot sleep now (requests in flight, a capture in the background), or ``None``."""
+        cannot sleep now (requests in flight), or ``None``; ``released_bytes``: graph bytes released for
+        this sleep already (those of a background capture it stopped), counted with the rest."""
         check_level(level)
         if self.level is not None:
             return {"level": self.level, "graph_bytes": 0, "kv_cache_bytes": 0}
         if busy is not None:
             raise ConfigError(busy)
-        graph_bytes = sum(r.release().graph_bytes for r in self.runners)
+        graph_bytes = released_bytes + sum(r.release().graph_bytes for r in self.runners)
         freed = self._freed = free_kv_cache(self.model)
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV cache's blocks back to the driver
