@@ -96,6 +96,26 @@ def test_sleep_during_a_background_capture_stops_it_and_wake_up_captures_again(k
     engine.close()
 
 
+def test_the_engine_thread_captures_again_after_wake_up_without_waiting_for_a_request() -> None:
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4), seed=0)
+    engine = Engine(model, EngineConfig(4, 16), device_graph_mode="full", progress=False, capture=False)
+    engine.capture_in_background()
+    loop = EngineLoop(engine)
+    loop.sleep(1)  # before the engine thread's first key: it stops the capture
+    loop.start()  # idle and asleep: the thread waits
+    try:
+        loop.wake_up()
+        background = engine.background
+        assert background is not None
+        deadline = time.monotonic() + 30
+        while not background.done and time.monotonic() < deadline:  # no request sent: the thread is idle
+            time.sleep(0.01)
+        assert background.progress()["ready"], background.progress()
+    finally:
+        loop.shutdown()
+        engine.close()
+
+
 def test_engine_refuses_to_sleep_with_requests_in_flight() -> None:
     engine = make_engine()
     engine.add_request(PROMPT, SamplingParams(max_tokens=3))

@@ -134,6 +134,7 @@ class EngineLoop:
             result = self.engine.wake_up()
             with self._cond:
                 self._asleep = False
+                self._cond.notify()  # a background capture the sleep stopped goes on while idle
         return result
 
     @property
