@@ -12,7 +12,7 @@ import pytest
 import torch
 from servers import ServerProcess
 
-from devgraph import ConfigError, DeviceGraphConfig
+from devgraph import CaptureError, ConfigError, DeviceGraphConfig
 from devgraph.reference import ReferenceConfig, ReferenceModel
 from devgraph.serve.cli import add_serve_parser
 from devgraph.serve.engine import Engine, EngineConfig, SamplingParams
@@ -151,6 +151,35 @@ def test_the_warm_up_is_not_counted_as_steps_served_while_capturing(one_torch_th
         assert engine.stats()["serial_steps"] == {}
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
         assert engine.stats()["serial_steps"]["capturing"] > 0  # a request's steps still count
+    finally:
+        engine.close()
+
+
+def test_a_failed_background_capture_is_a_metric_too(
+    one_torch_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("prometheus_client")
+    from devgraph.runner.life import GraphLife
+    from devgraph.serve.api.metrics import ServeMetrics
+    from devgraph.serve.engine import EngineLoop
+
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=4), seed=0)
+    engine = Engine(model, EngineConfig(4, 16), device_graph_mode="auto", progress=False, capture=False)
+    background = engine.capture_in_background()
+    loop = EngineLoop(engine)  # not started: its stats() are the server's /metrics source
+    metrics = ServeMetrics(loop.stats, [engine.decode_runner, engine.prefill_runner])
+    try:
+        assert "devgraph_graphs_capture_failed 0.0" in metrics.render()[0].decode()
+
+        def fail(life: GraphLife) -> bool:  # a device that runs out of memory mid-way, say
+            life.abandon()
+            raise CaptureError(f"the {life.plan.phase} capture failed")
+
+        monkeypatch.setattr(GraphLife, "capture_next", fail)
+        with pytest.raises(CaptureError):
+            background.step()
+        text = metrics.render()[0].decode()
+        assert "devgraph_graphs_capture_failed 1.0" in text and "devgraph_graphs_captured 0.0" in text
     finally:
         engine.close()
 

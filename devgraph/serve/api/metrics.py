@@ -226,6 +226,11 @@ class _StatsCollector:
                     capture["captured"],
                 ),
                 ("devgraph_graphs_total", "Graph keys to capture (background capture)", capture["total"]),
+                (
+                    "devgraph_graphs_capture_failed",
+                    "1 when the background capture stopped on an error (steps stay eager; /health says why)",
+                    int(capture["error"] is not None),
+                ),
             )
         for name, doc, value in gauges:
             yield core.GaugeMetricFamily(name, doc, value=value)
