@@ -184,6 +184,39 @@ def test_a_failed_background_capture_is_a_metric_too(
         engine.close()
 
 
+def test_stats_and_sleep_get_in_between_two_keys_of_the_background_capture(
+    one_torch_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine thread took its state lock again at once after each key (a Lock is not fair), so
+    # /v1/engine/stats, /metrics and POST /sleep waited for the whole capture (seconds on a GPU).
+    from devgraph.runner.life import GraphLife
+    from devgraph.serve.engine import EngineLoop
+
+    capture_next = GraphLife.capture_next
+
+    def slow_key(life: GraphLife) -> bool:  # a key that takes as long as a real model's
+        time.sleep(0.1)
+        return capture_next(life)
+
+    monkeypatch.setattr(GraphLife, "capture_next", slow_key)
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=8), seed=0)
+    engine = Engine(model, EngineConfig(8, 64), device_graph_mode="auto", progress=False, capture=False)
+    background = engine.capture_in_background()
+    assert background.total >= 6
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        while background.captured == 0:
+            time.sleep(0.01)
+        seen = [loop.stats()["graph_capture"]["captured"] for _ in range(3)]
+        # Each call answers after the key under way (at most one more), not after several or all of them.
+        assert all(b - a <= 2 for a, b in zip([1, *seen], seen, strict=False)), seen
+        assert not background.done, seen
+    finally:
+        loop.shutdown()
+        engine.close()
+
+
 def test_a_server_on_its_defaults_answers_before_its_graphs() -> None:
     # No capture flag: the tiny preset's plain graphs are captured between steps (capture_plan's default).
     flags = [f for f in FLAGS if f not in ("--capture-in-background", "--deterministic")]

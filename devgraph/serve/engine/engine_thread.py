@@ -55,6 +55,11 @@ class EngineLoop:
         self._stop = False
         self._asleep = False  # sleep mode: submit() refuses while set
         self._state_lock = threading.Lock()  # held while the engine thread touches engine state
+        # Taken by another thread around its turn with the state lock, and passed through by the engine
+        # thread before each turn: a Lock is not fair, and the engine thread, which takes the state lock
+        # again at once while it captures graphs in the background or has steps to run, would otherwise
+        # hold /v1/engine/stats, /metrics and POST /sleep until every graph is captured.
+        self._turnstile = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="devgraph-engine", daemon=True)
 
     # -- any thread ----------------------------------------------------------------------------------
@@ -90,7 +95,7 @@ class EngineLoop:
 
     def stats(self) -> dict[str, Any]:
         """A consistent snapshot of :meth:`Engine.stats` (waits for the current step to end)."""
-        with self._state_lock:
+        with self._turnstile, self._state_lock:
             stats = self.engine.stats()
         stats["queued"] = len(self._adds)
         return stats
@@ -113,7 +118,7 @@ class EngineLoop:
         """Put the engine to sleep (:meth:`Engine.sleep`) between two steps; refused (ConfigError) while
         requests are in flight or queued. Blocks until done: call it from a worker thread."""
         check_level(level)  # a level that can never work is the caller's mistake (400), before the 409
-        with self._state_lock:  # the engine thread is between steps, not stepping
+        with self._turnstile, self._state_lock:  # the engine thread is between steps, not stepping
             with self._cond:
                 if self._adds or self._sinks or self.engine.has_work:
                     raise ConfigError(
@@ -130,7 +135,7 @@ class EngineLoop:
 
     def wake_up(self) -> dict[str, Any]:
         """Wake the engine (:meth:`Engine.wake_up`): KV cache, then graphs; requests are taken again."""
-        with self._state_lock:
+        with self._turnstile, self._state_lock:
             result = self.engine.wake_up()
             with self._cond:
                 self._asleep = False
@@ -175,6 +180,8 @@ class EngineLoop:
                     self._open[request_id] = params.n  # copies of an n > 1 request not finished yet
                 aborts, self._aborts = self._aborts, []
                 stop = self._stop
+            with self._turnstile:  # another thread waiting for the state lock gets it first
+                pass
             with self._state_lock:
                 self._apply(adds, aborts)
                 if stop:
