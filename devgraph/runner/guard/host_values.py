@@ -123,14 +123,14 @@ class Read:
             return f"{self.name} was a tensor at capture and is {shorten(value)} now"
         ptr, shape, values = self.expected
         same_shape = tuple(value.shape) == shape
-        if values is not None and same_shape and _storage(value) != ptr and torch.equal(value, values):
-            return (  # a host tensor re-made with the same values each step
-                f"{self.name} is another host tensor than at capture, with the same values: a copy the graph "
-                "captured from host memory would read the capture-time tensor's (the guard cannot tell "
-                "whether the graph copied it or only used its values); keep one tensor in the context and "
-                "refill it in place"
-            )
-        if _storage(value) != ptr or tuple(value.shape) != shape:
+        if _storage(value) != ptr or not same_shape:
+            if values is not None and same_shape and torch.equal(value, values):
+                return (  # a host tensor re-made with the same values each step
+                    f"{self.name} is another host tensor than at capture, with the same values: a copy the "
+                    "graph captured from host memory would read the capture-time tensor's (the guard cannot "
+                    "tell whether the graph copied it or only used its values); keep one tensor in the "
+                    "context and refill it in place"
+                )
             return (
                 f"{self.name} is another tensor than at capture ({list(value.shape)} now, {list(shape)} "
                 "then): the graph reads the capture-time tensor's memory"

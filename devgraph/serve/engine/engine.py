@@ -712,21 +712,13 @@ class Engine:
         request.output.append(token)
         self.generation_tokens += 1
         logprobs = None if logprob is None else [logprob]
-        if complete:
+        at_length = (
+            len(request.output) >= params.max_tokens or request.num_known >= self.model_config.max_seq_len
+        )
+        if complete or at_length:
             return self._finish(
                 request,
-                FinishReason.STOP,
-                [token],
-                ttft=ttft,
-                itl=itl,
-                logprobs=logprobs,
-                now=now,
-                prompt_logprobs=prompt_logprobs,
-            )
-        if len(request.output) >= params.max_tokens or request.num_known >= self.model_config.max_seq_len:
-            return self._finish(
-                request,
-                FinishReason.LENGTH,
+                FinishReason.STOP if complete else FinishReason.LENGTH,
                 [token],
                 ttft=ttft,
                 itl=itl,
