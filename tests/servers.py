@@ -18,6 +18,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+async def stream_events(
+    url: str, payload: dict[str, Any], path: str = "/v1/completions"
+) -> list[dict[str, Any]]:
+    """POST ``payload`` streamed to ``url + path`` with aiohttp (concurrent requests from one process);
+    every server-sent event up to ``[DONE]``, parsed. Asserts a 200."""
+    import aiohttp  # the tests that stream import-skip without it
+
+    events = []
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + path, json={**payload, "stream": True}) as response,
+    ):
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
 class ServerProcess:
     """``python -m devgraph.serve FLAGS`` on a free port of 127.0.0.1, started and waited for (up to
     ``start_timeout`` seconds; ``env``: variables added to this process's); its stderr is kept

@@ -7,13 +7,12 @@ answered with a 400 naming it; vLLM's metric names; the start-up report and the 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from servers import ServerProcess
+from servers import ServerProcess, stream_events
 
 aiohttp = pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp")
 pytestmark = pytest.mark.timeout(240)
@@ -43,22 +42,13 @@ def servers(hf_cases: dict[str, Any]) -> Iterator[dict[str, ServerProcess]]:
 async def _completion(url: str, payload: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
     """One streamed request: its token ids, text, finish reason and usage (if sent)."""
     result: dict[str, Any] = {"token_ids": [], "text": "", "finish_reason": None, "usage": None}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(url + path, json={**payload, "stream": True}) as response,
-    ):
-        assert response.status == 200, await response.text()
-        async for raw in response.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            result["usage"] = event.get("usage") or result["usage"]
-            for choice in event["choices"]:
-                part = choice.get("delta", choice)
-                result["token_ids"] += part.get("token_ids", [])
-                result["text"] += part.get("text", part.get("content")) or ""
-                result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+    for event in await stream_events(url, payload, path):
+        result["usage"] = event.get("usage") or result["usage"]
+        for choice in event["choices"]:
+            part = choice.get("delta", choice)
+            result["token_ids"] += part.get("token_ids", [])
+            result["text"] += part.get("text", part.get("content")) or ""
+            result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
     return result
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from servers import ServerProcess
+from servers import ServerProcess, stream_events
 
 aiohttp = pytest.importorskip("aiohttp", reason="devgraph serve needs aiohttp")
 openai = pytest.importorskip("openai", reason="these tests drive the server with the OpenAI SDK")
@@ -135,20 +135,6 @@ def _scored(client: Any, name: str, prompt: str) -> Any:
 
 
 # -- streaming -----------------------------------------------------------------------------------------
-async def _events(url: str, payload: dict[str, Any], path: str) -> list[dict[str, Any]]:
-    events = []
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(url + path, json={**payload, "stream": True}) as response,
-    ):
-        assert response.status == 200, await response.text()
-        async for raw in response.content:
-            line = raw.strip()
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events
-
-
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_streams_carry_usage_in_every_chunk_and_no_empty_text_chunks(
     case: Any, server: ServerProcess, path: str
@@ -159,7 +145,7 @@ def test_streams_carry_usage_in_every_chunk_and_no_empty_text_chunks(
         {"messages": [{"role": "user", "content": "日本語 🙂"}]} if chat else {"prompt": "日本語 🙂"}
     )
     options = {"include_usage": True, "continuous_usage_stats": True}
-    events = asyncio.run(_events(server.url, {**request, "stream_options": options}, path))
+    events = asyncio.run(stream_events(server.url, {**request, "stream_options": options}, path))
     assert all(e["usage"] is not None for e in events)
     completion = [e["usage"]["completion_tokens"] for e in events]
     assert completion == sorted(completion) and completion[-1] == 16
