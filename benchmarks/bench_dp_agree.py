@@ -1,10 +1,11 @@
-"""The cost of data-parallel key agreement per step: ``runner.agree()`` on the device (one NCCL all-reduce
-of a few int64 on a communicator of its own, issue 30) and on the host (gloo control group), next to the bare
-collectives under them and the tensor-parallel lock-step check, on ranks launched here. Every agreement's
-answer is checked against the largest counts of the step in the same run.
+"""The cost of data-parallel key agreement per step: ``runner.agree()`` on a shared-memory board (ranks of
+one host: the default), on the device (one NCCL all-reduce of a few int64 on a communicator of its own) and
+on the host (gloo control group), next to the bare collectives under them and the tensor-parallel
+lock-step check, on ranks launched here. Every agreement's answer is checked against the largest counts of
+the step in the same run.
 
-    python benchmarks/bench_dp_agree.py                       # 2 ranks on the CPU (gloo; host path only)
-    python benchmarks/bench_dp_agree.py --device cuda         # 2 GPUs: NCCL group, device and host paths
+    python benchmarks/bench_dp_agree.py                       # 2 ranks on the CPU (gloo; board and host)
+    python benchmarks/bench_dp_agree.py --device cuda         # 2 GPUs: NCCL group, board, device and host
     python benchmarks/bench_dp_agree.py --ranks 4 --iters 5000 --out results.json
 
 Writes ``$OUT/dp-agree.json`` (or ``--out``; default ``benchmarks/results/<cpu|h100...>-dp-agree.json``):
@@ -88,7 +89,7 @@ def rank_main(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
     group = dist.group.WORLD
     model = ReferenceModel(ReferenceConfig.preset("tiny"), device=device, seed=0)
-    ways = ["device", "host"] if args.device == "cuda" else ["host"]
+    ways = ["shm", "device", "host"] if args.device == "cuda" else ["shm", "host"]
     found: dict[str, Any] = {"rank": rank}
     for way in ways:
         os.environ[ranks.AGREEMENT_ENV] = way  # read when the runner's first agreement picks its transport
@@ -96,7 +97,7 @@ def rank_main(args: argparse.Namespace) -> int:
         runner.capture()
         # The whole per-step cost an engine pays: counts, one all-reduce, routing the largest counts.
         found[f"agree_{way}"] = _agreement_timings(runner, rank, world, args.iters)
-        found[f"agree_{way}"]["transport"] = ranks.transport_name(group)
+        found[f"agree_{way}"]["transport"] = runner.stats()["data_parallel"]["transport"]
         runner.close()
     control = ranks.control_group(group)
     message = torch.zeros(7, dtype=torch.int64)
@@ -155,13 +156,15 @@ def main() -> int:
         name = torch.cuda.get_device_name(0)
         tag = "h100" if "H100" in name else ("h200" if "H200" in name else "gpu")
         label = (
-            f"{name} x{args.ranks}: NCCL process group; agree_device on devgraph's own NCCL communicator, "
-            "agree_host on its gloo control group (loopback)"
+            f"{name} x{args.ranks}: NCCL process group; agree_shm on a shared-memory board (one host), "
+            "agree_device on devgraph's own NCCL communicator, agree_host on its gloo control group "
+            "(loopback)"
         )
     else:
         name, tag = "cpu", "cpu"
         label = (
-            f"CPU, {args.ranks} processes on one host, gloo over loopback TCP (a CPU figure, not a GPU one)"
+            f"CPU, {args.ranks} processes on one host: agree_shm on a shared-memory board, agree_host on "
+            "gloo over loopback TCP (a CPU figure, not a GPU one)"
         )
     report = {
         "benchmark": "data-parallel key agreement per step",
@@ -176,13 +179,13 @@ def main() -> int:
         "per_rank": per_rank,
         "agree_median_us": {
             way: max(r[f"agree_{way}"]["median_us"] for r in per_rank)
-            for way in ("device", "host")
+            for way in ("shm", "device", "host")
             if f"agree_{way}" in per_rank[0]
         },
         "wrong_answers": sum(
             r[f"agree_{w}"]["wrong_answers"]
             for r in per_rank
-            for w in ("device", "host")
+            for w in ("shm", "device", "host")
             if f"agree_{w}" in r
         ),
         "target_us": 50,

@@ -211,7 +211,11 @@ def parent(args: argparse.Namespace) -> int:
     data["meta"]["sizes"] = args.sizes
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         root = Path(tmp)
-        for label, cap in CHILDREN.items():
+        chosen = args.children.split(",") if args.children else list(CHILDREN)
+        unknown = sorted(set(chosen) - set(CHILDREN))
+        if unknown:
+            data["errors"].append(f"unknown processes {unknown} (known: {', '.join(CHILDREN)})")
+        for label, cap in ((label, CHILDREN[label]) for label in chosen if label in CHILDREN):
             traced = label.endswith("_traced")
             out, logits = root / f"{label}.json", root / f"{label}.pt"
             command = script_command(__file__, "--child", label, "--out", str(out), "--logits", str(logits))
@@ -297,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="JSON path (default $OUT/startup.json); the PNG goes beside it")
     parser.add_argument("--sizes", default="1,8,32,64", help="decode sizes, comma-separated")
     parser.add_argument("--time-budget", type=float, default=480.0, help="seconds for the whole run")
+    parser.add_argument(
+        "--children",
+        help=f"comma-separated processes, in the order given (default: {','.join(CHILDREN)})",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--logits", help=argparse.SUPPRESS)

@@ -55,11 +55,23 @@ run_step() {  # run_step NAME: one step, its limit, its command
     startup) limit=200 cmd="$PY benchmarks/bench_startup_compile.py --out $R/startup.json --time-budget 170" ;;
     zoo_plain) limit=200 cmd="$PY benchmarks/bench_zoo.py --models plain --layers 8 --time-budget 170 --out $R/zoo-plain.json" ;;
     zoo_gptfast) limit=200 cmd="$PY benchmarks/bench_zoo.py --models gptfast --layers 8 --time-budget 170 --out $R/zoo-gptfast.json" ;;
+    zoo_a) limit=300 cmd="$PY benchmarks/bench_zoo.py --models plain,gptfast,paged,hf_llama,hf_qwen3 --layers 4 --batches 1,32 --time-budget 280 --out $R/zoo-a.json" ;;
+    zoo_b) limit=300 cmd="$PY benchmarks/bench_zoo.py --models hf_mistral,hf_gemma,hf_phi3,hf_gpt2,hf_mixtral --layers 4 --batches 1,32 --time-budget 280 --out $R/zoo-b.json" ;;
+    zoo_c) limit=240 cmd="$PY benchmarks/bench_zoo.py --models paged,hf_llama,hf_qwen3 --layers 4 --batches 1,32 --time-budget 225 --out $R/zoo-c.json" ;;
+    zoo_d) limit=240 cmd="$PY benchmarks/bench_zoo.py --models hf_phi3,hf_gpt2,hf_mixtral --layers 4 --batches 1,32 --time-budget 225 --out $R/zoo-d.json" ;;
+    startup_regions) limit=150 cmd="$PY benchmarks/bench_startup_compile.py --out $R/startup-regions.json --children cold_regions,warm_regions,reduce_overhead --time-budget 140" ;;
+    inplace_chosen) limit=110 cmd="$PY benchmarks/bench_inplace_cache.py --out $R/inplace-chosen.json --variants full,compiled_chosen --time-budget 100" ;;
+    two_cuda_fixes) limit=70 cmd="pytest_json two-cuda-fixes 60 tests/test_guard_swap.py::test_cuda_weights_loaded_under_swap_mode_never_replay_stale 'tests/test_sanitizer.py::test_a_workspace_re_made_in_a_module_global_is_named'" ;;
+    background) limit=110 cmd="$PY benchmarks/bench_background_capture.py --out $R/background-capture.json --time-budget 95 --repeats 2" ;;
+    serve_fixes) limit=200 cmd="pytest_json serve-fixes 120 tests/test_cuda_background.py tests/test_serve_background.py tests/test_serve_sleep.py tests/test_guard_swap.py 'tests/test_sanitizer.py::test_a_workspace_re_made_in_a_module_global_is_named'" ;;
     zoo_all) limit=270 cmd="$PY benchmarks/bench_zoo.py --layers 4 --batches 1,32 --time-budget 250 --out $R/zoo-all.json" ;;
     tp_channel) limit=90 cmd="$PY benchmarks/bench_tp_channel.py --device cuda --out $R/tp-channel.json" ;;
     dp_agree) limit=40 cmd="$PY benchmarks/bench_dp_agree.py --device cuda --iters 2000 --out $R/dp-agree.json" ;;
+    serve_tp_full) limit=445 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 420" ;;
+    serve_tp_nofp32) limit=330 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 310 --no-fp32" ;;
+    kill_test) limit=100 cmd="pytest_json kill-test 90 -m multi_gpu tests/test_serve_tp.py::test_a_worker_killed_on_two_gpus_fails_the_stream_and_the_server_exits" ;;
     serve_tp) limit=260 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 240" ;;
-    serve_overlap) limit=175 cmd="$PY benchmarks/bench_serve_overlap.py --gpu --out $R" ;;
+    serve_overlap) limit=120 cmd="$PY benchmarks/bench_serve_overlap.py --gpu --out $R" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)

@@ -93,7 +93,7 @@ def _weights(served: Served, checkpoint: dict[str, Any], ranks: int) -> dict[str
 def _serve_model(model: Model, plan: Plan, work: Path, budget: Budget, data: dict[str, Any]) -> None:
     directory = work / model.name
     drawn_on = "cuda" if plan.device == "cuda" else "cpu"
-    checkpoint = write_random_checkpoint(directory, "llama", device=drawn_on, **model.shape)
+    checkpoint = write_random_checkpoint(directory, "llama", device=drawn_on, words=True, **model.shape)
     checkpoint["directory"] = f"<a temporary folder>/{model.name}"
     data["checkpoints"][model.name] = checkpoint
     print(
@@ -181,7 +181,10 @@ def run(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
                 if plan.device == "cuda":
                     data["floor"] = bandwidth_floor(data["checkpoints"]["8b"]["bytes"])
                 shutil.rmtree(work / model.name, ignore_errors=True)  # 16 GB of disk back
-        _fp32_and_kill(plan, work, budget, data)
+        if args.no_fp32:
+            data["skipped"].append("float32 agreement and the killed worker: --no-fp32")
+        else:
+            _fp32_and_kill(plan, work, budget, data)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     data["targets"] = targets(data)
@@ -211,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the JSON path (a PNG is written beside it)")
     parser.add_argument("--smoke", action="store_true", help="the CPU (gloo), tiny shapes: checks the script")
     parser.add_argument("--time-budget", type=float, help="seconds (default 400 on GPUs, 600 for --smoke)")
+    parser.add_argument(
+        "--no-fp32",
+        action="store_true",
+        help="skip section 3 (float32 agreement, the killed worker: tests/test_serve_tp.py has the latter "
+        "as a multi_gpu test)",
+    )
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else GPU
     if plan.device == "cuda" and torch.cuda.device_count() < 2:

@@ -108,6 +108,27 @@ def build_tokenizer(style: str) -> Any:
     )
 
 
+def word_tokenizer(vocab_size: int) -> Any:
+    """A word-level tokenizer with text for every id below ``vocab_size``: ``<unk>``, ``<s>``, ``</s>``
+    and then ``w3``, ``w4``, ... (decoded with a space between words). A random model samples any id of its
+    vocabulary; under the BPE tokenizer above most of them (past its 400 tokens) have no text, so a stream
+    holds them back (a stream never sends a chunk without text) and a client measures no inter-token time.
+    Real checkpoints' tokenizers cover their vocabulary; this one does too, with a plain vocabulary lookup
+    (no added-token matching, which would make detokenization unlike a real tokenizer's)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=INST
+    )
+
+
 def build_checkpoint(
     directory: Path, family: str, *, seed: int | None = None, std: float = 0.15, **overrides: Any
 ) -> Path:
@@ -215,6 +236,7 @@ def write_random_checkpoint(
     device: str = "cpu",
     shard_bytes: int = 4 << 30,
     seed: int = 0,
+    words: bool = False,
     **overrides: Any,
 ) -> dict[str, Any]:
     """A checkpoint of any size, written fast: no model is built (the tensor names and shapes come from
@@ -223,7 +245,8 @@ def write_random_checkpoint(
     memory. Matrices ~ N(0, 1/fan_in), norm scales 1 + N(0, 0.2^2), biases N(0, 0.5^2); safetensors
     shards of about ``shard_bytes`` with an index, the family's tokenizer. ``overrides``: config fields
     over :data:`SHAPE` and the family's (pass :data:`LLAMA3_8B` for the 8B shape). Returns what was
-    written and how long it took."""
+    written and how long it took. ``words``: :func:`word_tokenizer` (text for every id of the vocabulary;
+    the serving benchmarks' choice, so that every sampled token streams) instead of the family's."""
     import json
     import struct
     import time
@@ -232,7 +255,10 @@ def write_random_checkpoint(
 
     start = time.perf_counter()
     config_class, model_class = (getattr(transformers, name) for name in _CLASSES[family])
-    tokenizer = build_tokenizer("chatml" if family.startswith("qwen") else "inst")
+    if words:
+        tokenizer = word_tokenizer(int(overrides.get("vocab_size", SHAPE.get("vocab_size", 400))))
+    else:
+        tokenizer = build_tokenizer("chatml" if family.startswith("qwen") else "inst")
     settings = {"vocab_size": len(tokenizer), **SHAPE, **FAMILIES[family], **overrides}
     config = config_class(
         eos_token_id=tokenizer.eos_token_id,

@@ -271,3 +271,42 @@ def test_on_cuda_a_slower_compiled_forward_keeps_plain_graphs_by_cuda_events():
         torch.testing.assert_close(runner.run(x=x), torch.relu(x @ weights) * 2 + 1)
     finally:
         runner.close()
+
+
+def test_a_warm_start_keeps_the_choices_of_the_process_that_wrote_cache_dir(tmp_path):
+    # Timed near 1.0x, two processes could choose differently, and their outputs differ in the last bits
+    # (compiled against plain). The first capture's choices travel in the artifact file; a later runner
+    # with the same cache_dir replays what was chosen, without timing (one capture per key).
+    cold_timer = StandInTimer(compiled_s=1.2e-3, plain_s=1e-3)  # slower, under the 2x that abandons
+    cold = make(cold_timer, cache_dir=str(tmp_path))
+    cold.capture()
+    assert set(kept(cold).values()) == {"plain"} and cold_timer.calls > 0
+    warm_timer = StandInTimer(compiled_s=0.5e-3, plain_s=1e-3)  # this process would keep compiled
+    warm = make(warm_timer, cache_dir=str(tmp_path))
+    report = warm.capture()
+    assert warm_timer.calls == 0
+    info = warm.inspect()["compiled_or_plain"]["keys"]
+    assert {k: (v["kept"], v["why"]) for k, v in info.items()} == {
+        f"tokens={n}": ("plain", "cached") for n in SIZES
+    }
+    assert info["tokens=8"]["compiled_ms"] == 1.2 and info["tokens=8"]["plain_ms"] == 1.0  # the cold times
+    assert "as the process that wrote cache_dir chose" in "\n".join(report.notes)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(warm.run(x=x), forward(x))
+    # keep_compiled decides again, whatever the file says.
+    timer = StandInTimer(compiled_s=1.2e-3, plain_s=1e-3)
+    insisting = make(timer, cache_dir=str(tmp_path), keep_compiled=True)
+    insisting.capture()
+    assert set(kept(insisting).values()) == {"compiled"}
+
+
+def test_a_damaged_choice_in_the_artifact_file_is_timed_again(tmp_path):
+    make(StandInTimer(compiled_s=1.2e-3, plain_s=1e-3), cache_dir=str(tmp_path)).capture()
+    (path,) = tmp_path.glob("*.dgcache")
+    blob = path.read_bytes()
+    path.write_bytes(blob.replace(b'"kept": "plain"', b'"kept": "neither"', 1))  # one key's entry unreadable
+    timer = StandInTimer(compiled_s=0.5e-3, plain_s=1e-3)
+    warm = make(timer, cache_dir=str(tmp_path))
+    warm.capture()
+    whys = {k: v["why"] for k, v in warm.inspect()["compiled_or_plain"]["keys"].items()}
+    assert sorted(whys.values()) == ["cached", "cached", "cached", "faster"] and timer.calls > 0

@@ -59,6 +59,8 @@ def check_agree(found: dict[int, Any]) -> None:
         assert eager["counts"]["tokens"] == 20  # the largest count of the step over the group
         stats = result["stats"]
         assert stats["data_parallel"]["agreed_steps"] == 5
+        # Both ranks on this host: the agreement reads a shared-memory board (DEVGRAPH_DP_AGREEMENT=auto).
+        assert stats["data_parallel"]["transport"] == "shm"
         assert stats["eager_by_reason"]["peer_eager"] == (0 if rank == 0 else 1)
     # Own keys padded up to the agreed ones: rank 0's (1, 4, 8, 2, -, 4) by 1 + 6 tokens, rank 1's
     # (2, 4, 1, 8, -, 4) by 7.
@@ -145,7 +147,7 @@ def test_nccl_ranks_with_different_batches_replay_one_agreed_key(tmp_path):
     check_sizes(found)
     for result in _scenario(found, "cost"):
         assert result["iters"] == 500  # the cost itself is a measurement (issue 30's target), not a test
-        assert result["transport"] == "device", result  # NCCL group: the agreement runs on the device
+        assert result["transport"] == "shm", result  # both ranks on one host: the shared-memory board
 
 
 def test_where_the_agreement_runs_is_chosen_by_the_group_and_the_switch(monkeypatch):
@@ -153,7 +155,7 @@ def test_where_the_agreement_runs_is_chosen_by_the_group_and_the_switch(monkeypa
 
     assert transport_name(None) == "host"  # no NCCL group here: the gloo control group
     monkeypatch.setenv(AGREEMENT_ENV, "sideways")
-    with pytest.raises(ConfigError, match="DEVGRAPH_DP_AGREEMENT must be one of auto, host, device"):
+    with pytest.raises(ConfigError, match="DEVGRAPH_DP_AGREEMENT must be one of auto, shm, host, device"):
         agreement_way()
     monkeypatch.setenv(AGREEMENT_ENV, "device")
     if not torch.cuda.is_available():

@@ -85,3 +85,20 @@ def test_the_8b_shape_is_llama_3_8b() -> None:
         model = transformers.LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
     assert 8.02e9 < params < 8.04e9
+
+
+def test_the_benchmarks_tokenizer_gives_every_id_of_the_vocabulary_text(tmp_path: Path) -> None:
+    """A random model samples any id: under ``words=True`` each one decodes to text of its own, so a stream
+    sends a chunk per token (the BPE tokenizer's 400 tokens leave most ids of a 32000 vocabulary without
+    text, and a stream holds those back until the request ends)."""
+    import transformers
+    from checkpoints import write_random_checkpoint
+
+    directory = tmp_path / "words"
+    write_random_checkpoint(directory, "llama", words=True, vocab_size=1200, num_hidden_layers=1)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    assert len(tokenizer) == 1200 and tokenizer.eos_token_id == 2
+    ids = list(range(3, 1200))
+    texts = [tokenizer.decode([i]) for i in ids]
+    assert all(texts) and len(set(texts)) == len(ids)
+    assert tokenizer(" ".join(texts[:5]))["input_ids"] == [1, *ids[:5]]  # BOS, then the words back

@@ -10,8 +10,9 @@ every rank has the same variant and the same keys. Each rank then routes the lar
 the same keys reach the same key, and pads its own rows up to it; ranks whose keys differ (built with other
 sizes, axes or variants) would route the same counts to different keys, so every rank raises instead.
 
-The all-reduce runs on the device where the group is NCCL's, else on the gloo control group
-(:mod:`devgraph.ranks.transport`). See docs/tensor-parallel.md, "Data parallelism".
+The all-reduce reads a shared-memory board where every rank is on one host, else runs on the device where
+the group is NCCL's, else on the gloo control group (:mod:`devgraph.ranks.transport`). See
+docs/tensor-parallel.md, "Data parallelism".
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class GroupAgreement:
 
     @property
     def transport(self) -> str | None:
-        """``host`` or ``device`` once the first step chose one (``None`` before, or with one rank)."""
+        """``shm``, ``device`` or ``host`` once the first step chose one (``None`` before, or with one
+        rank)."""
         return self._transport.name if self._transport is not None else None
 
     def __call__(self, counts: Sequence[int], eager: bool, code: int = 0) -> GroupCounts:

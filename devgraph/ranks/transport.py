@@ -1,7 +1,10 @@
 """How the data-parallel agreement's few int64 travel between the ranks: one all-reduce (MAX) per step.
 
-Two ways, one interface (:meth:`Transport.max`):
+Three ways, one interface (:meth:`Transport.max`):
 
+* :class:`BoardTransport` — where every rank of the group runs on one host: a board in shared memory
+  (:mod:`devgraph.ranks.shared_board`): each rank posts its values and reads the others'; a few
+  microseconds, against 150-250 µs for a collective round trip on a GPU host. No device work, no stream.
 * :class:`HostTransport` — on the group's gloo control group, a CPU tensor. Any backend, the CPU simulator
   included; a lost rank is a gloo timeout. About 150-250 µs a step on a GPU host (loopback TCP).
 * :class:`DeviceTransport` — on a NCCL communicator of its own over the same ranks (never the model's, so
@@ -10,14 +13,19 @@ Two ways, one interface (:meth:`Transport.max`):
   all-reduce runs on the device, they come back into a pinned buffer, and the host polls one event with a
   deadline, so a lost rank is an error after the rank timeout, never a hang.
 
-:func:`transport_for` picks one: ``DEVGRAPH_DP_AGREEMENT=host|device|auto`` (``auto``, the default: the
-device when the group is NCCL's and CUDA is up, else the host).
+:func:`transport_for` picks one: ``DEVGRAPH_DP_AGREEMENT=auto|shm|device|host`` (``auto``, the default:
+the shared-memory board when every rank is on one host, else the device when the group is NCCL's and CUDA
+is up, else the host). ``shm`` insists on the board (an error on every rank when the ranks span hosts).
+Choosing the board is itself a collective (the ranks compare their hosts), so it happens at the group's
+first agreement, on every rank together; the agreement (:class:`~devgraph.ranks.dp.GroupAgreement`)
+says which way was taken (``transport``), and a runner's ``stats()`` too (``data_parallel.transport``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -29,9 +37,11 @@ import torch
 
 from devgraph.errors import ConfigError
 from devgraph.ranks.group import PeerLost, control_group, group_alive, rank_timeout_s
+from devgraph.ranks.shared_board import SharedBoard
 
 __all__ = [
     "AGREEMENT_ENV",
+    "BoardTransport",
     "DeviceTransport",
     "HostTransport",
     "Transport",
@@ -41,9 +51,11 @@ __all__ = [
     "transport_name",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: Environment variable: where data-parallel agreement runs (``auto``, ``host`` or ``device``).
 AGREEMENT_ENV = "DEVGRAPH_DP_AGREEMENT"
-_CHOICES = ("auto", "host", "device")
+_CHOICES = ("auto", "shm", "host", "device")
 
 
 class Transport:
@@ -76,6 +88,18 @@ class HostTransport(Transport):
         except Exception as exc:  # gloo: a timeout, or "connection closed by peer"
             raise PeerLost(str(exc)) from exc
         return message.tolist()
+
+
+class BoardTransport(Transport):
+    """The maximum read off a shared-memory board of the group's ranks (one host)."""
+
+    name = "shm"
+
+    def __init__(self, board: SharedBoard) -> None:
+        self.board = board
+
+    def max(self, values: Sequence[int]) -> list[int]:
+        return self.board.max(values)
 
 
 # -- the device way ------------------------------------------------------------------------------------
@@ -182,7 +206,7 @@ class DeviceTransport(Transport):
 
 
 def agreement_way() -> str:
-    """``$DEVGRAPH_DP_AGREEMENT`` (``auto``, ``host`` or ``device``)."""
+    """``$DEVGRAPH_DP_AGREEMENT`` (``auto``, ``shm``, ``host`` or ``device``)."""
     text = os.environ.get(AGREEMENT_ENV, "").strip().lower() or "auto"
     if text not in _CHOICES:
         raise ConfigError(f"{AGREEMENT_ENV} must be one of {', '.join(_CHOICES)}; got {text[:40]!r}")
@@ -198,15 +222,31 @@ def _is_nccl(group: Any) -> bool:
 
 
 def transport_name(group: Any) -> str:
-    """Where ``group``'s agreement runs: ``host`` or ``device`` (see the module docstring)."""
+    """Where ``group``'s agreement runs when the ranks span hosts (or ``shm`` is asked): ``shm``, ``host`` or
+    ``device``. Under ``auto`` ranks of one host use the board instead, found at the first agreement
+    (:attr:`GroupAgreement.transport <devgraph.ranks.dp.GroupAgreement.transport>` says)."""
     way = agreement_way()
+    if way == "shm":
+        return "shm"
     if way == "host" or (way == "auto" and not (_is_nccl(group) and torch.cuda.is_available())):
         return "host"
     return "device"
 
 
 def transport_for(group: Any, width: int) -> Transport:
-    """The transport for ``group``'s agreement (see the module docstring)."""
+    """The transport for ``group``'s agreement (see the module docstring); every rank of ``group`` calls it
+    at the same step (the board is built by all of them together)."""
+    way = agreement_way()
+    if way in ("auto", "shm") and group is not None:
+        board, why_not = SharedBoard.build(group, width)
+        if board is not None:
+            return BoardTransport(board)
+        if way == "shm":
+            raise ConfigError(
+                f"{AGREEMENT_ENV}=shm needs every rank of the data-parallel group on one host, each able to "
+                f"map a file in /dev/shm; here {why_not}: use {AGREEMENT_ENV}=auto"
+            )
+        logger.info("data-parallel agreement: no shared-memory board (%s); a collective instead", why_not)
     if transport_name(group) == "host":
         return HostTransport(group)
     if torch.cuda.is_available() and not _is_nccl(group):

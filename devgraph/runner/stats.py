@@ -36,6 +36,7 @@ class RunnerStats:
     verify_calls: int = 0
     fallback: Counter[FallbackReason] = field(default_factory=Counter)
     agreed_steps: int = 0  # data parallel: steps agreed with the group
+    agreement_transport: str | None = None  # data parallel: where the agreement runs (shm, device, host)
     peer_padded_rows: int = 0  # tokens padded beyond this rank's own key because a peer had more
     #: Steps per count tuple ``(tokens, *other axes)``, while recording (``None``: not recording).
     recorded: Counter[tuple[int, ...]] | None = None
@@ -85,7 +86,11 @@ class RunnerStats:
                 "replays": sum(self.fallback.values()),
                 "by_reason": {str(r): self.fallback.get(r, 0) for r in FallbackReason},
             },
-            "data_parallel": {"agreed_steps": self.agreed_steps, "peer_padded_rows": self.peer_padded_rows},
+            "data_parallel": {
+                "agreed_steps": self.agreed_steps,
+                "peer_padded_rows": self.peer_padded_rows,
+                "transport": self.agreement_transport,
+            },
             "recorded": None
             if self.recorded is None
             else {"steps": [[*counts, steps] for counts, steps in sorted(self.recorded.items())]},

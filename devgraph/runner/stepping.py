@@ -117,6 +117,7 @@ class Stepper:
             self._group = GroupAgreement(plan.dp_group, plan.schedule.keys())
             self._group_schedule = plan.schedule
         group = self._group([step.counts[a] for a in axes], own.key is None, variant_code(variant))
+        self.stats.agreement_transport = self._group.transport
         largest = dict(zip(axes, group.counts, strict=True))
         if group.eager or not group.same_variant:
             decision = own if own.key is None else Decision(None, EagerReason.PEER_EAGER)

@@ -269,6 +269,9 @@ class ArtifactCache:
         self._key = hashlib.sha256(json.dumps(print_, sort_keys=True, default=str).encode()).hexdigest()
         self.status = "unused"  # hit | miss | stale | corrupt | saved | unused
         self.loaded = "unused"  # the outcome of load(), kept after a save
+        #: Per key name, the compiled-or-plain choice of the process that wrote the file (``full`` with a
+        #: compiler, :class:`~devgraph.strategies.choice.CompileChoice`); loaded with a hit only.
+        self.choices: dict[str, dict[str, Any]] = {}
 
     def load(self) -> str:
         """Load the artifacts if the file matches this runner; returns and records the outcome."""
@@ -285,6 +288,7 @@ class ArtifactCache:
             return self.status
         self.status = self.loaded = self._load_blob(blob)
         if self.status != "hit":
+            self.choices = {}
             logger.warning(
                 "devgraph: compile cache %s is %s; it is not used and will be rebuilt", self.path, self.status
             )
@@ -311,6 +315,8 @@ class ArtifactCache:
         if not isinstance(tail, int) or not 0 <= tail <= len(payload):
             return "corrupt"
         traced, precompiled = payload[: len(payload) - tail], payload[len(payload) - tail :]
+        choices = header.get("choices", {})
+        self.choices = choices if isinstance(choices, dict) else {}
         if tail and self.precompile:
             from devgraph.strategies.precompile import deserialize
 
@@ -326,7 +332,9 @@ class ArtifactCache:
             return "hit"
         payload = traced
         if not payload:
-            return "stale"  # only a precompiled function, which this process cannot use
+            # Only choices (a compiler that leaves no artifacts, ``eager``): a hit. Only a precompiled
+            # function, which this process cannot use: stale.
+            return "hit" if self.choices and not tail else "stale"
         try:
             loaded = torch.compiler.load_cache_artifacts(payload)
         except Exception as exc:  # torch rejected the payload (another build, a truncated write)
@@ -335,11 +343,11 @@ class ArtifactCache:
         # torch logs and returns None, rather than raising, when it cannot read the payload.
         return "hit" if loaded is not None else "corrupt"
 
-    def save(self, precompiled: bytes = b"") -> None:
-        """Write this process's compiled artifacts and, when given, the ahead-of-time compiled forward
-        (atomically: a reader never sees half a file)."""
+    def save(self, precompiled: bytes = b"", choices: dict[str, dict[str, Any]] | None = None) -> None:
+        """Write this process's compiled artifacts and, when given, the ahead-of-time compiled forward and
+        the compiled-or-plain choice per key (atomically: a reader never sees half a file)."""
         saved = torch.compiler.save_cache_artifacts()
-        if saved is None and not precompiled:
+        if saved is None and not precompiled and not choices:
             return
         payload = (saved[0] if saved is not None else b"") + precompiled
         header = {
@@ -349,6 +357,7 @@ class ArtifactCache:
             "bytes": len(payload),
             "precompiled_bytes": len(precompiled),
             "fingerprint": self.fingerprint,
+            "choices": choices or {},
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".dgcache-")

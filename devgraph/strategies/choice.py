@@ -74,8 +74,10 @@ class KeyChoice:
     ``compiled_s`` / ``plain_s``: seconds per replay (``None`` where that graph was not captured: the
     compiled path was abandoned before this key). ``why``: ``faster``, ``slower``, ``keep_compiled``,
     ``abandoned``, ``plain_failed`` (the plain forward could not be captured: the compiled graph
-    serves) or ``not_timed`` (the platform cannot time replays: the CPU simulator). ``extra_s``: what
-    choosing cost at capture (the second capture and the timed replays).
+    serves), ``not_timed`` (the platform cannot time replays: the CPU simulator) or ``cached`` (the
+    choice of the process that wrote the artifact cache, with that process's times: a warm start
+    replays the graphs a cold one chose, so its outputs are the same bits, and it captures one graph per
+    key). ``extra_s``: what choosing cost at capture (the second capture and the timed replays).
     """
 
     key: GraphKey
@@ -109,6 +111,11 @@ class KeyChoice:
             return f"{self.key}: compiled graph only (the plain forward could not be captured)"
         if self.why == "not_timed":
             return f"{self.key}: compiled graph, not timed (this platform's replays do not time a device's)"
+        if self.why == "cached":
+            times = ""
+            if self.compiled_s is not None and self.plain_s is not None:
+                times = f" (compiled {self.compiled_s * 1e3:.3f} ms, plain {self.plain_s * 1e3:.3f} ms there)"
+            return f"{self.key}: {self.kept} graph only, as the process that wrote cache_dir chose{times}"
         if self.compiled_s is None or self.plain_s is None:
             return f"{self.key}: plain graph only (the compiled path was abandoned at a larger key)"
         return (
@@ -219,6 +226,36 @@ class CompileChoice:
 
     def forget(self, key: GraphKey) -> None:
         self.choices.pop(key, None)
+
+    def to_keep(self) -> dict[str, dict[str, Any]]:
+        """The choices worth keeping for a later process (``cache_dir``): those that timed both graphs, or
+        gave the compiled path up, or came from an earlier process; per key name, the graph kept and the
+        times. Not ``keep_compiled`` (the option decides again), ``not_timed`` or ``plain_failed``."""
+        kept = {}
+        for choice in self.choices.values():
+            if choice.why in ("faster", "slower", "abandoned", "cached"):
+                kept[str(choice.key)] = {
+                    "kept": choice.kept.value,
+                    "compiled_s": choice.compiled_s,
+                    "plain_s": choice.plain_s,
+                }
+        return kept
+
+    def cached(self, key: GraphKey, earlier: dict[str, dict[str, Any]]) -> KeyChoice | None:
+        """The choice an earlier process made for ``key`` (``earlier``: :meth:`to_keep` as it loaded),
+        recorded as this capture's; ``None`` when there is none or ``keep_compiled`` decides."""
+        entry = earlier.get(str(key))
+        if self.keep_compiled or not isinstance(entry, dict):
+            return None
+        try:
+            kept = Kept(entry.get("kept"))
+        except ValueError:
+            return None
+        times = [entry.get(name) for name in ("compiled_s", "plain_s")]
+        compiled_s, plain_s = (float(t) if isinstance(t, (int, float)) else None for t in times)
+        choice = KeyChoice(key, kept, "cached", compiled_s, plain_s)
+        self.choices[key] = choice
+        return choice
 
     def reset(self) -> None:
         self.choices.clear()

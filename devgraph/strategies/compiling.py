@@ -247,16 +247,24 @@ class CompileSession:
 
         return precompile_support(self._forward) if self._forward is not None else "no forward"
 
-    def captured(self) -> None:
-        """After a capture session: save new artifacts, and treat any later compile as a recompile."""
+    @property
+    def earlier_choices(self) -> dict[str, dict[str, Any]]:
+        """The compiled-or-plain choices the artifact file loaded holds (empty without a hit)."""
+        if self.cache is None or self.cache.loaded != "hit":
+            return {}
+        return self.cache.choices  # type: ignore[no-any-return]
+
+    def captured(self, choices: dict[str, dict[str, Any]] | None = None) -> None:
+        """After a capture session: save new artifacts (with ``choices``, the strategy's compiled-or-plain
+        choice per key), and treat any later compile as a recompile."""
         compiled = self._compiled
         fresh = compiled is not None and compiled.precompiled is not None
         fresh = fresh and self.cache is not None and self.cache.precompiled is None
         if self.cache is not None and (self.cache.status in ("miss", "stale", "corrupt") or fresh):
-            self._save(compiled.precompiled if fresh and compiled is not None else None)
+            self._save(compiled.precompiled if fresh and compiled is not None else None, choices)
         self.tracker.seal()
 
-    def _save(self, precompiled: Any) -> None:
+    def _save(self, precompiled: Any, choices: dict[str, dict[str, Any]] | None = None) -> None:
         from devgraph.strategies.precompile import serialize
 
         data = b""
@@ -270,7 +278,7 @@ class CompileSession:
                     exc,
                 )
         try:
-            self.cache.save(data)
+            self.cache.save(data, choices)
         except OSError as exc:
             logger.warning("devgraph: could not write compile cache %s: %s", self.cache.path, exc)
 
@@ -347,7 +355,12 @@ class CompilingStrategy(GraphStrategy):
             yield
         if self.compiler is not None:
             # Save new artifacts; from here on a compile means a guard failed at run time: a bug to report.
-            self.compile.captured()
+            self.compile.captured(self.choices_to_keep())
+
+    def choices_to_keep(self) -> dict[str, dict[str, Any]]:
+        """What the artifact file keeps of this strategy's per-key choices for a later process (none here;
+        ``full`` keeps its compiled-or-plain choice)."""
+        return {}
 
     def cleanup(self) -> None:
         super().cleanup()

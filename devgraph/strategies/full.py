@@ -105,6 +105,17 @@ class FullGraphBackend(CompilingStrategy):
         forwards = self._forwards
         if self.compiler is None or forwards is None:
             return self._capture_graph(forward_fn, opaque=False)
+        earlier = self.choice.cached(key, self.compile.earlier_choices)
+        if earlier is not None:
+            # A warm start replays what the cold one chose: the same bits (a timing near 1.0x could choose
+            # the other graph in this process), and one capture per key instead of two.
+            if earlier.kept is Kept.PLAIN:
+                with forwards.plain():
+                    entry = self._capture_graph(forward_fn, opaque=False)
+            else:
+                entry = self._capture_graph(forward_fn, opaque=True)
+            forwards.kept(forwards.last_signature, earlier.kept)
+            return entry
         if not self.choice.trying:
             with forwards.plain():
                 entry = self._capture_graph(forward_fn, opaque=False)
@@ -174,6 +185,9 @@ class FullGraphBackend(CompilingStrategy):
         self.choice.reset()
         if self._forwards is not None:
             self._forwards.forget()
+
+    def choices_to_keep(self) -> dict[str, dict[str, Any]]:
+        return self.choice.to_keep()
 
     def capture_notes(self) -> list[str]:
         return [*super().capture_notes(), *self.choice.notes()]

@@ -1,0 +1,119 @@
+"""The shared-memory board of the data-parallel agreement (devgraph/ranks/shared_board.py): ranks of one
+host post their values and read each other's maximum, step after step, a late rank is an error after the
+rank timeout, and the board is chosen only where every rank is on one host (the multi-process runs of the
+whole agreement are in tests/test_dp.py)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devgraph.errors import ConfigError
+from devgraph.ranks import AGREEMENT_ENV
+from devgraph.ranks import shared_board as board_module
+from devgraph.ranks import transport as transport_module
+from devgraph.ranks.group import RANK_TIMEOUT_ENV, PeerLost
+from devgraph.ranks.shared_board import SharedBoard, _map
+
+pytestmark = pytest.mark.timeout(60)
+
+WIDTH = 7
+
+
+def boards(tmp_path: Path, ranks: int) -> list[SharedBoard]:
+    """One board per rank over one file, each rank with a mapping of its own (as processes have)."""
+    size = ranks * 2 * (WIDTH + 1) * 8
+    path = tmp_path / "board"
+    maps = [_map(path, size, create=True)] + [_map(path, size, create=False) for _ in range(ranks - 1)]
+    return [SharedBoard(m, ranks, rank, WIDTH) for rank, m in enumerate(maps)]
+
+
+def run_ranks(ranks: list[SharedBoard], steps: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Each rank in a thread of its own: ``steps[s][r]`` is rank r's message at step s."""
+    answers: list[list[list[int]]] = [[] for _ in ranks]
+    errors: list[BaseException] = []
+
+    def rank_loop(r: int) -> None:
+        try:
+            for message in steps:
+                answers[r].append(ranks[r].max(message[r]))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(len(ranks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    return answers
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_every_rank_reads_the_elementwise_maximum_at_every_step(tmp_path, count):
+    rng = random.Random(count)
+    # Negative values too: the agreement sends each code and its negation.
+    big = 2**62
+    steps = [[[rng.randint(-big, big) for _ in range(WIDTH)] for _ in range(count)] for _ in range(3000)]
+    answers = run_ranks(boards(tmp_path, count), steps)
+    expected = [[max(column) for column in zip(*step, strict=True)] for step in steps]
+    for r in range(count):
+        assert answers[r] == expected
+
+
+def test_a_rank_that_stops_posting_is_an_error_after_the_rank_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv(RANK_TIMEOUT_ENV, "0.3")
+    first, second = boards(tmp_path, 2)
+    with pytest.raises(PeerLost, match="rank 1 did not post step 1 .* within 0.3 s"):
+        first.max([1] * WIDTH)
+    second.close()
+    first.close()
+
+
+def test_a_message_of_another_width_is_refused(tmp_path):
+    first, _ = boards(tmp_path, 2)
+    with pytest.raises(ValueError, match="has 3 values, the board 7"):
+        first.max([1, 2, 3])
+
+
+def _fake_group(monkeypatch: pytest.MonkeyPatch, rank: int, answers: list[list[Any]]) -> None:
+    """``exchange`` answers from a script (what the other ranks would report), this process as ``rank``."""
+    script = iter(answers)
+
+    def exchange(group: Any, payload: Any) -> list[Any]:
+        found = next(script)
+        found[rank] = payload
+        return found
+
+    monkeypatch.setattr(board_module, "exchange", exchange)
+    monkeypatch.setattr(board_module, "rank_of", lambda group: rank)
+
+
+def test_ranks_on_two_hosts_get_no_board_and_say_why(monkeypatch):
+    _fake_group(monkeypatch, 0, [[None, "elsewhere/boot"]])
+    board, why = SharedBoard.build(object(), WIDTH)
+    assert board is None and why == "the ranks span 2 hosts"
+
+
+def test_a_rank_that_cannot_map_the_board_leaves_every_rank_without_one(monkeypatch):
+    host = board_module.host_identity()
+    _fake_group(monkeypatch, 0, [[None, host], [None, None], [None, "could not map it: denied"]])
+    board, why = SharedBoard.build(object(), WIDTH)
+    assert board is None and why == "rank 1: could not map it: denied"
+    assert not list(board_module.board_directory().glob(f"devgraph-agree-{os.getpid()}-*"))  # unlinked
+
+
+def test_shm_asked_across_hosts_is_a_config_error_and_auto_takes_a_collective(monkeypatch):
+    no_board = classmethod(lambda cls, group, width: (None, "the ranks span 2 hosts"))
+    monkeypatch.setattr(transport_module.SharedBoard, "build", no_board)
+    monkeypatch.setenv(AGREEMENT_ENV, "shm")
+    with pytest.raises(ConfigError, match="needs every rank .* on one host.*the ranks span 2 hosts"):
+        transport_module.transport_for(object(), WIDTH)
+    monkeypatch.setenv(AGREEMENT_ENV, "auto")
+    monkeypatch.setattr(transport_module, "_is_nccl", lambda group: False)
+    assert transport_module.transport_for(object(), WIDTH).name == "host"
