@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=None, help="JSON path (written by rank 0)")
     parser.add_argument("--presets", default="qwen3-0.6b,8b-like")
-    parser.add_argument("--comm", default="auto", choices=("auto", "torch", "op"))
+    parser.add_argument("--comm", default="auto", choices=("auto", "torch", "op", "symm"))
     parser.add_argument("--iters", type=int, default=None, help="timed steps per variant and batch")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--time-budget", type=float, default=200.0, help="seconds; later presets are skipped")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -46,6 +47,8 @@ from serve_tp.analysis import bandwidth_floor, targets  # noqa: E402
 from serve_tp.plan import GPU, SMOKE, Model, Plan  # noqa: E402
 from serve_tp.plot import plot  # noqa: E402
 from serve_tp.runs import Served, kill_a_worker, prompts_for, start  # noqa: E402
+
+from devgraph.serve.checkpoint.source import TP_COMM_ENV  # noqa: E402
 
 
 class Budget:
@@ -121,6 +124,11 @@ def _serve_model(model: Model, plan: Plan, work: Path, budget: Budget, data: dic
         except Exception as exc:
             served.record["error"] = repr(exc)[-3000:]
         served.stop()
+        if ranks == 2:  # how the ranks all-reduced (DEVGRAPH_TP_COMM), and any fallback the comm logged
+            served.record["tp_comm"] = os.environ.get(TP_COMM_ENV, "auto")
+            served.record["tp_comm_log"] = [
+                line.rstrip()[-400:] for line in served.server.stderr if "symm" in line.lower()
+            ][-4:]
         _print_server(label, served.record)
     if len(tokens) == 2:
         data["servers"][f"{model.name}_tp2"]["tokens_vs_one_device_bf16"] = _compare(tokens[1], tokens[2])
@@ -215,12 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the CPU (gloo), tiny shapes: checks the script")
     parser.add_argument("--time-budget", type=float, help="seconds (default 400 on GPUs, 600 for --smoke)")
     parser.add_argument(
+        "--tp-comm",
+        help=f"the --tp servers' all-reduce ({TP_COMM_ENV}: auto, torch, op or symm; default: the server's)",
+    )
+    parser.add_argument(
         "--no-fp32",
         action="store_true",
         help="skip section 3 (float32 agreement, the killed worker: tests/test_serve_tp.py has the latter "
         "as a multi_gpu test)",
     )
     args = parser.parse_args(argv)
+    if args.tp_comm:
+        os.environ[TP_COMM_ENV] = args.tp_comm  # the servers inherit it; every rank reads it
     plan = SMOKE if args.smoke else GPU
     if plan.device == "cuda" and torch.cuda.device_count() < 2:
         print(f"needs 2 GPUs, {torch.cuda.device_count()} visible (use --smoke on the CPU)", file=sys.stderr)

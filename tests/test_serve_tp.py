@@ -218,3 +218,19 @@ def test_flags_that_act_on_rank_0_alone_are_refused_before_any_rank_starts(flag,
 
     assert main(["serve", "--model", "tiny", "--tp", "2", *flag]) == 2
     assert f"{flag[0]} is not available with --tp yet" in capsys.readouterr().err
+
+
+def test_an_unknown_tp_comm_names_the_variable_and_the_accepted_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from devgraph.errors import ConfigError
+    from devgraph.reference import ReferenceConfig
+    from devgraph.serve.checkpoint.source import TP_COMM_ENV, _tp_model
+
+    monkeypatch.setenv(TP_COMM_ENV, "pigeon")
+    with pytest.raises(
+        ConfigError, match="DEVGRAPH_TP_COMM='pigeon' is unknown; accepted: auto, torch, op, symm"
+    ):
+        _tp_model(ReferenceConfig.preset("tiny"), None, torch.device("cpu"), 0, "random")

@@ -20,6 +20,7 @@ from devgraph import ranks
 from devgraph.errors import ConfigError
 from devgraph.reference import ReferenceConfig, ReferenceModel, make_decode_batch, make_prefill_batch
 from devgraph.reference.tp import TPReferenceModel
+from devgraph.reference.tp.comm import symm_plan, symm_unavailable_reason
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 RANK_TIMEOUT_S = 10  # DEVGRAPH_RANK_TIMEOUT_S for the launches: short, so a broken handshake fails fast
@@ -389,3 +390,80 @@ def test_the_simulator_waits_for_a_functional_collective_before_reading_it(unuse
     finally:
         abort_capture(graph)
         dist.destroy_process_group()
+
+
+# -- comm="symm": torch symmetric memory -------------------------------------------------------------------
+def test_symm_plan_picks_the_op_by_size_dtype_and_alignment():
+    bf16, plan = torch.bfloat16, symm_plan
+    kw = {"buffer_dtype": bf16, "capacity": 8 << 20, "one_shot_max": 512 << 10}
+    assert plan(4096 * 2, bf16, **kw) == "one_shot_copy"  # decode, batch 1
+    assert plan(64 * 4096 * 2, bf16, **kw) == "one_shot_copy"  # batch 64: 512 KiB, the limit itself
+    assert plan(65 * 4096 * 2, bf16, **kw) == "two_shot_out"
+    assert plan(8 << 20, bf16, **kw) == "two_shot_out"  # the whole buffer
+    assert plan((8 << 20) + 4, bf16, **kw) == "nccl"  # past it
+    assert plan(4096 * 2, bf16, **kw, fused_copy=False) == "one_shot"  # a torch without the fused op
+    assert plan(4096 * 2, bf16, **kw, aligned=False) == "two_shot"  # staged through the buffer
+    assert plan(65 * 4096 * 2, bf16, **kw, world_size=3) == "two_shot"  # the out-variant takes 2, 4, 8
+    assert plan(4096 * 2, torch.float32, **kw) == "nccl"  # not the buffer's dtype
+    assert plan(4096 * 2, bf16, **kw, contiguous=False) == "nccl"
+    assert plan(6, bf16, **kw) == "nccl"  # 3 bf16: not a whole number of 4-byte words
+    assert plan(0, bf16, **kw) == "nccl"
+    assert plan(4096 * 2, bf16, buffer_dtype=None, capacity=0) == "nccl"  # no buffer
+
+
+def test_symm_unavailable_reasons_name_what_is_missing():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    ok = {"device": cuda, "backend": "nccl", "world_size": 2, "dtype": torch.bfloat16}
+    assert symm_unavailable_reason(**ok) is None
+    assert symm_unavailable_reason(**{**ok, "backend": "cpu:gloo,cuda:nccl"}) is None
+    assert "cpu" in symm_unavailable_reason(**{**ok, "device": cpu})
+    assert "gloo" in symm_unavailable_reason(**{**ok, "backend": "gloo"})
+    assert "one rank" in symm_unavailable_reason(**{**ok, "world_size": 1})
+    assert "float16" in symm_unavailable_reason(**{**ok, "dtype": torch.float16})
+
+
+def test_symm_on_one_rank_is_the_auto_mode_and_says_why():
+    model = TPReferenceModel(ReferenceConfig.preset("tiny", kernels="torch"), comm="symm")
+    assert model.comm.mode == "op" and model.comm.symm is None
+    assert "one rank" in model.comm.fallback_reason
+    with pytest.raises(ConfigError, match="symm"):
+        TPReferenceModel(ReferenceConfig.preset("tiny", kernels="torch"), comm="nvls")
+
+
+def check_symm(found: dict[int, Any], *, device: bool) -> None:
+    for rank, result in enumerate(_check_scenario(found, "symm")):
+        if device:
+            assert result["mode"] == "symm", result
+            assert result["direct_mode"] == "symm", result
+            plans = {name: c["plan"] for name, c in result["all_reduce"].items()}
+            assert plans == {
+                "1": "one_shot_copy",
+                "8": "one_shot_copy",
+                "64": "two_shot_out",
+                "300": "nccl",
+                "8+odd": "two_shot",
+            }, plans
+            if rank == 0:
+                assert any(line.startswith("INFO") and "symmetric memory" in line for line in result["log"])
+        else:  # gloo on the CPU: what auto picks, and one warning saying why
+            assert result["mode"] == "op" and result["direct_mode"] == "op", result
+            assert "cpu" in result["fallback_reason"], result
+            warned = [line for line in result["log"] if line.startswith("WARNING")]
+            assert len(warned) == 1 and "comm='symm' asked, using 'op'" in warned[0], result["log"]
+        for name, check in result["all_reduce"].items():
+            assert check["max_abs_diff"] == 0, (rank, name, check)
+        for step in result["steps"]:
+            assert step["graph_vs_eager"] <= 1e-5 * max(1.0, step["scale"]), (rank, step)
+            assert step["vs_torch_comm"] <= 1e-4 * max(1.0, step["scale"]), (rank, step)
+
+
+def test_symm_on_gloo_falls_back_to_op_and_logs_why(tmp_path):
+    check_symm(launch("symm", tmp_path, limit=240), device=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.multi_gpu
+def test_nccl_symm_all_reduce_equals_the_sum_and_graphs_equal_eager(tmp_path):
+    found = launch("symm", tmp_path, device="cuda", limit=240)
+    _record("symm", found)
+    check_symm(found, device=True)

@@ -521,7 +521,83 @@ def fallback(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def symm(ctx: Ctx) -> dict[str, Any]:
+    """``comm="symm"``: on the CPU (gloo) every rank falls back to ``op`` and logs why; on GPUs (NCCL) the
+    symmetric-memory all-reduce equals the sum at every size (one-shot, two-shot, NCCL beyond the buffer),
+    and a decode graph under ``full`` equals eager and the ``torch`` communicator's model."""
+    records = _Records()
+    comm_logger = logging.getLogger("devgraph.reference.tp.comm")
+    comm_logger.addHandler(records)
+    comm_logger.setLevel(logging.INFO)
+    try:
+        model = ctx.model("paged", "symm")
+    finally:
+        comm_logger.removeHandler(records)
+    comm = model.comm
+    out: dict[str, Any] = {
+        "mode": comm.mode,
+        "fallback_reason": comm.fallback_reason,
+        "log": records.lines,
+        "symm": repr(comm.symm) if comm.symm is not None else None,
+    }
+    # Direct all-reduces of known values through a bf16 communicator with small limits, so each plan runs:
+    # one-shot (1, 8 rows), two-shot (64 rows), NCCL past the buffer (300 rows), and a partial at an odd
+    # offset (two-shot through the buffer). Each rank contributes (rank + 1) * (column % 5 + 1).
+    from devgraph.reference.tp.comm import TPComm
+
+    hidden, dtype = 512, torch.bfloat16
+    direct = TPComm(
+        ctx.group, "symm", ctx.device, dtype=dtype, max_bytes=256 << 10, symm_one_shot_max=16 << 10
+    )
+    out["direct_mode"] = direct.mode
+    out["direct_fallback_reason"] = direct.fallback_reason
+    checks: dict[str, Any] = {}
+    want = sum(r + 1 for r in range(ctx.world))
+    pattern = (torch.arange(hidden, device=ctx.device) % 5 + 1).to(dtype)
+    for name, rows, offset in (("1", 1, 0), ("8", 8, 0), ("64", 64, 0), ("300", 300, 0), ("8+odd", 8, 1)):
+        base = torch.zeros(rows * hidden + offset, dtype=dtype, device=ctx.device)
+        x = base[offset:].view(rows, hidden)
+        x.copy_(pattern.repeat(rows, 1) * (ctx.rank + 1))
+        plan = direct.symm.plan(x) if direct.symm is not None else direct.mode
+        direct.all_reduce(x)
+        expected = pattern.repeat(rows, 1) * want
+        checks[name] = {"plan": plan, "max_abs_diff": float((x.float() - expected.float()).abs().max())}
+    out["all_reduce"] = checks
+    # Decode graphs under full: graph vs eager on this model, and against the torch communicator's model.
+    runner = tp_decode_runner(model, mode="full", sizes=DECODE_SIZES, check_lockstep=True)
+    runner.capture()
+    plain = ctx.model("paged", "torch" if ctx.cuda else "op")
+    steps = []
+    for n in DECODE_SIZES:
+        batch = make_decode_batch(model, n, seq_lens=16, seed=n)
+        with torch.no_grad():
+            graph = runner.run(**batch).float()
+            eager = model.decode_step(**batch).float()
+            other = plain.decode_step(**batch).float()
+        steps.append(
+            {
+                "n": n,
+                "graph_vs_eager": float((graph - eager).abs().max()),
+                "vs_torch_comm": float((eager - other).abs().max()),
+                "scale": float(eager.abs().max()),
+            }
+        )
+    runner.close()
+    out["steps"] = steps
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "symm": symm,
     "fallback": fallback,
     "equivalence": equivalence,
     "compiled_full": compiled_full,

@@ -12,10 +12,21 @@ Two ways to issue them (``comm=``), both captured inside device graphs:
   CPU each collective is recorded as one replay step that runs the collective again and waits for it.
 * ``auto`` (default): ``op`` on the CPU, ``torch`` elsewhere. The CPU simulator cannot record a c10d
   collective op itself yet (docs/tensor-parallel.md says what fails), so CPU runs take the ``op`` path.
+* ``symm``: all-reduces through torch's symmetric memory (``torch.distributed._symmetric_memory``): one
+  buffer per group, allocated and rendezvoused once at construction (every rank constructs together), and
+  per call one kernel over NVLink P2P (``symm_mem::one_shot_all_reduce_copy_out``: the partial copied in and
+  every peer's read back, in place) for messages up to :data:`SYMM_ONE_SHOT_MAX_BYTES`, the two-shot op up
+  to the buffer's size, NCCL beyond (and for the all-gather). The call sits inside the custom op
+  ``devgraph_tp::symm_all_reduce`` (opaque to dynamo, like ``op``). No multicast (NVLS) needed. Where
+  symmetric memory cannot be used (the CPU, gloo, one rank, no peer access, a dtype its kernels lack, a torch
+  without the ops, a failed rendezvous or self-test on any rank) every rank falls back to what ``auto``
+  picks, and one log line says why (:attr:`TPComm.fallback_reason`).
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any
 
 import torch
@@ -23,12 +34,34 @@ import torch
 from devgraph import ConfigError
 from devgraph.platforms.sim.graph import record_opaque
 
-__all__ = ["COMM_MODES", "TPComm"]
+__all__ = [
+    "COMM_MODES",
+    "SYMM_BUFFER_MAX_BYTES",
+    "SYMM_ONE_SHOT_MAX_BYTES",
+    "SymmBuffer",
+    "TPComm",
+    "symm_plan",
+    "symm_unavailable_reason",
+]
 
-COMM_MODES: tuple[str, ...] = ("auto", "torch", "op")
+logger = logging.getLogger(__name__)
+
+COMM_MODES: tuple[str, ...] = ("auto", "torch", "op", "symm")
+
+# ``symm``: the symmetric buffer holds at most this many bytes (messages beyond it go to NCCL, where
+# bandwidth, not the per-call latency, decides); one-shot up to SYMM_ONE_SHOT_MAX_BYTES, two-shot above.
+# 8 MiB: 1024 tokens of a 4096-wide bf16 hidden state. The one-shot limit is a first guess (vLLM and SGLang
+# pick by size tables too); benchmarks/bench_tp_comm.py times both ops at each size to set it.
+SYMM_BUFFER_MAX_BYTES = 8 << 20
+SYMM_ONE_SHOT_MAX_BYTES = 512 << 10
+# The dtypes torch's one-/two-shot kernels dispatch on (AT_DISPATCH_FLOAT_AND_BFLOAT16).
+SYMM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+_ALIGN = 16  # the kernels' widest vector; a partial at a 16-byte offset takes the fused one-kernel path
 
 # Process groups the custom ops may name (an op's schema takes the group's name, not the object).
 _groups: dict[str, Any] = {}
+# The symmetric buffers the ``symm`` op may name, by key (group, dtype, size).
+_symm_buffers: dict[str, SymmBuffer] = {}
 
 
 def _all_reduce_now(tensor: torch.Tensor, group: Any) -> None:
@@ -68,10 +101,281 @@ def _(tensor, group_name, world_size):  # type: ignore[no-untyped-def]
     return tensor.new_empty((world_size * tensor.shape[0], *tensor.shape[1:]))
 
 
-class TPComm:
-    """The collectives of one tensor-parallel rank over ``group`` (``None``: one rank, no collectives)."""
+@torch.library.custom_op("devgraph_tp::symm_all_reduce", mutates_args=("tensor",))
+def _symm_all_reduce_op(tensor: torch.Tensor, key: str) -> None:
+    # Host work per call: choosing the plan and the ops' cached rendezvous lookup; nothing that syncs, so
+    # a device graph captures the kernels (one for a one-shot message) and replays them as they are.
+    _symm_buffers[key].all_reduce(tensor)
 
-    def __init__(self, group: Any, comm: str = "auto", device: torch.device | None = None) -> None:
+
+@_symm_all_reduce_op.register_fake
+def _(tensor, key):  # type: ignore[no-untyped-def]
+    return None
+
+
+# -- symmetric memory ------------------------------------------------------------------------------------
+def symm_plan(
+    nbytes: int,
+    dtype: torch.dtype,
+    *,
+    buffer_dtype: torch.dtype | None,
+    capacity: int,
+    one_shot_max: int = SYMM_ONE_SHOT_MAX_BYTES,
+    contiguous: bool = True,
+    aligned: bool = True,
+    fused_copy: bool = True,
+    world_size: int = 2,
+) -> str:
+    """How ``symm`` all-reduces a message of ``nbytes`` bytes of ``dtype`` (every rank computes the same):
+
+    * ``"one_shot_copy"``: one kernel, ``one_shot_all_reduce_copy_out`` (copies the partial into the
+      symmetric buffer, reads every peer's, writes the sum back in place); needs a 16-byte aligned partial;
+    * ``"one_shot"``: the partial copied in, then ``one_shot_all_reduce_out`` into the partial (a torch
+      without the fused op);
+    * ``"two_shot_out"``: copy in, ``two_shot_all_reduce_out`` into the partial (2, 4 or 8 ranks);
+    * ``"two_shot"``: copy in, ``two_shot_all_reduce_`` on the buffer, copy back;
+    * ``"nccl"``: the message does not fit the buffer (``capacity`` bytes, 0: none), is not of the
+      buffer's dtype, not contiguous, or not a whole number of 4-byte words (the kernels' smallest vector).
+    """
+    if capacity <= 0 or buffer_dtype is None or dtype != buffer_dtype or not contiguous:
+        return "nccl"
+    if nbytes <= 0 or nbytes > capacity or nbytes % 4:
+        return "nccl"
+    if nbytes <= one_shot_max:
+        if aligned:
+            return "one_shot_copy" if fused_copy else "one_shot"
+        return "two_shot"
+    return "two_shot_out" if aligned and world_size in (2, 4, 8) else "two_shot"
+
+
+def symm_unavailable_reason(
+    *, device: torch.device, backend: str | None, world_size: int, dtype: torch.dtype | None
+) -> str | None:
+    """Why this rank cannot use ``symm`` on its own (``None``: it may try); what every rank can see
+    alike. The rest (the ops, peer access, the rendezvous) is found out collectively (``_setup_symm``)."""
+    if world_size < 2:
+        return "one rank: nothing to all-reduce"
+    if device.type != "cuda":
+        return f"symmetric memory needs CUDA devices; this rank runs on {device.type}"
+    if backend is None or "nccl" not in backend.lower():
+        return (
+            f"the process group's backend is {backend!r}; symm needs a NCCL group (its fallback and checks)"
+        )
+    if dtype not in SYMM_DTYPES:
+        return f"torch's one-/two-shot kernels take bfloat16 or float32; the model's dtype is {dtype}"
+    return None
+
+
+def _symm_ops_missing() -> str | None:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as exc:  # a torch built without distributed or without symmetric memory
+        return f"torch.distributed._symmetric_memory cannot be imported ({exc})"
+    if not hasattr(symm_mem, "empty") or not hasattr(symm_mem, "rendezvous"):
+        return f"torch {torch.__version__} has no symm_mem.empty / rendezvous (torch >= 2.6 has)"
+    ops = torch.ops.symm_mem
+    missing = [n for n in ("one_shot_all_reduce_out", "two_shot_all_reduce_") if not hasattr(ops, n)]
+    if missing:
+        return f"torch {torch.__version__} lacks torch.ops.symm_mem.{', '.join(missing)}"
+    return None
+
+
+def _agree(ok: bool, group: Any, device: torch.device) -> bool:
+    """Whether every rank of ``group`` says ``ok`` (one small all-reduce on the group; collective)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _peer_access_problem(group: Any, device: torch.device, world_size: int) -> str | None:
+    """Each rank's device index gathered (collective); where all the group's devices are visible here, any
+    pair without CUDA peer access. Ranks that each see one device (CUDA_VISIBLE_DEVICES per rank) are left
+    to the rendezvous and the self-test."""
+    index = torch.tensor([device.index if device.index is not None else torch.cuda.current_device()])
+    gathered = torch.empty(world_size, dtype=torch.int64, device=device)
+    _gather_into(gathered, index.to(device=device, dtype=torch.int64), group=group)
+    indices = [int(i) for i in gathered.tolist()]
+    if len(set(indices)) != len(indices) or max(indices) >= torch.cuda.device_count():
+        return None
+    for a in indices:
+        for b in indices:
+            if a != b and not torch.cuda.can_device_access_peer(a, b):
+                return f"cuda:{a} has no peer access to cuda:{b} (no NVLink / P2P between them)"
+    return None
+
+
+class SymmBuffer:
+    """One group's symmetric buffer (``capacity`` bytes of ``dtype``), rendezvoused, and the all-reduce
+    over it. Build it with :meth:`create` (collective: every rank of the group, together)."""
+
+    def __init__(self, buffer: torch.Tensor, handle: Any, group: Any, key: str, one_shot_max: int) -> None:
+        self.buffer = buffer  # flat, symmetric (symm_mem.empty), rendezvoused on ``group``
+        self.handle = handle
+        self.group = group
+        self.group_name: str = group.group_name
+        self.key = key
+        self.world_size = torch.distributed.get_world_size(group)
+        self.capacity = buffer.numel() * buffer.element_size()
+        self.one_shot_max = one_shot_max
+        self.fused_copy = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        self.multicast = bool(getattr(handle, "multicast_ptr", 0))
+
+    @classmethod
+    def create(
+        cls, group: Any, device: torch.device, dtype: torch.dtype, capacity: int, one_shot_max: int
+    ) -> SymmBuffer:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = group.group_name
+        if torch.torch_version.TorchVersion(torch.__version__) < (2, 11):  # type: ignore[operator]
+            # Before 2.11 the group had to be registered first; 2.11 deprecates it (resolves the group
+            # itself) and later releases remove it.
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    enable(name)
+        numel = max(1, capacity // torch.empty((), dtype=dtype).element_size())
+        numel -= numel % 8  # 16-byte multiple for bf16 and fp32
+        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+        buffer.zero_()
+        torch.cuda.synchronize(device)
+        handle = symm_mem.rendezvous(buffer, name)
+        key = f"{name}/{dtype}/{numel}"
+        return cls(buffer, handle, group, key, one_shot_max)
+
+    def plan(self, tensor: torch.Tensor) -> str:
+        offset = tensor.storage_offset() * tensor.element_size()
+        return symm_plan(
+            tensor.numel() * tensor.element_size(),
+            tensor.dtype,
+            buffer_dtype=self.buffer.dtype,
+            capacity=self.capacity,
+            one_shot_max=self.one_shot_max,
+            contiguous=tensor.is_contiguous(),
+            aligned=offset % _ALIGN == 0 and tensor.data_ptr() % _ALIGN == 0,
+            fused_copy=self.fused_copy,
+            world_size=self.world_size,
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, plan: str | None = None) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (``plan``: :func:`symm_plan`'s answer, forced)."""
+        plan = plan or self.plan(tensor)
+        ops = torch.ops.symm_mem
+        if plan == "nccl":
+            torch.distributed.all_reduce(tensor, group=self.group)
+            return tensor
+        flat = tensor.view(-1)
+        staged = self.buffer[: flat.numel()]
+        if plan == "one_shot_copy":
+            # The kernel reads the partial before the barrier and writes the sum after it, each thread over
+            # the same elements, so ``out`` may be the partial itself.
+            ops.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, flat)
+            return tensor
+        staged.copy_(flat)
+        if plan == "one_shot":
+            ops.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+        elif plan == "two_shot_out":
+            ops.two_shot_all_reduce_out(staged, "sum", self.group_name, flat)
+        elif plan == "two_shot":
+            ops.two_shot_all_reduce_(staged, "sum", self.group_name)
+            flat.copy_(staged)
+        else:
+            raise ConfigError(f"symm plan {plan!r} is unknown; accepted: see devgraph.reference.tp.symm_plan")
+        return tensor
+
+    def self_test(self, rank: int) -> str | None:
+        """Each plan once, eagerly, on known values (collective); what went wrong here, if anything."""
+        hidden = 64
+        rows = {"one_shot_copy" if self.fused_copy else "one_shot": 2}
+        big = (self.one_shot_max // (hidden * self.buffer.element_size())) + 2
+        if big * hidden * self.buffer.element_size() <= self.capacity:
+            rows["two_shot_out" if self.world_size in (2, 4, 8) else "two_shot"] = big
+        want = sum(r + 1 for r in range(self.world_size))
+        for plan, n in rows.items():
+            x = torch.full((n, hidden), float(rank + 1), dtype=self.buffer.dtype, device=self.buffer.device)
+            x[:, 1::2] *= 2
+            self.all_reduce(x, plan)
+            expected = torch.full_like(x, float(want))
+            expected[:, 1::2] *= 2
+            if not torch.equal(x, expected):
+                bad = (x != expected).sum().item()
+                return f"self-test {plan} on {n}x{hidden}: {bad} of {x.numel()} values wrong"
+        torch.cuda.synchronize(self.buffer.device)
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"SymmBuffer(group={self.group_name!r}, {self.capacity >> 10} KiB {self.buffer.dtype}, "
+            f"one-shot <= {self.one_shot_max >> 10} KiB, fused copy {self.fused_copy}, "
+            f"multicast {self.multicast})"
+        )
+
+
+def _setup_symm(
+    group: Any, device: torch.device, dtype: torch.dtype | None, capacity: int, one_shot_max: int, rank: int
+) -> tuple[SymmBuffer | None, str | None]:
+    """The group's symmetric buffer, or why not. Every rank calls it; every rank gets the same outcome
+    (the checks that could differ between ranks are agreed on before the next collective step)."""
+    world_size = torch.distributed.get_world_size(group)
+    try:
+        backend: str | None = str(torch.distributed.get_backend(group))
+    except Exception:  # noqa: BLE001 - a group torch cannot name a backend for: fall back
+        backend = None
+    reason = symm_unavailable_reason(device=device, backend=backend, world_size=world_size, dtype=dtype)
+    if reason is not None:  # the same on every rank (one model config, one backend, one device type)
+        return None, reason
+    assert dtype is not None
+    local = _symm_ops_missing()
+    try:  # collective: every rank gathers, whatever it found above
+        peer = _peer_access_problem(group, device, world_size)
+    except Exception as exc:  # noqa: BLE001 - a failed check is a reason, never a failed model
+        peer = f"checking peer access failed: {type(exc).__name__}: {exc}"
+    local = local or peer
+    if not _agree(local is None, group, device):
+        return None, local or "another rank cannot use symmetric memory (its log says why)"
+    size = min(capacity, SYMM_BUFFER_MAX_BYTES)
+    key_probe = f"{group.group_name}/{dtype}/"
+    for existing in _symm_buffers.values():  # another model on this group: share its buffer
+        if existing.key.startswith(key_probe) and existing.capacity >= size:
+            existing.one_shot_max = one_shot_max
+            return existing, None
+    buffer: SymmBuffer | None = None
+    try:
+        buffer = SymmBuffer.create(group, device, dtype, size, one_shot_max)
+    except Exception as exc:  # noqa: BLE001 - allocation or rendezvous failed: fall back
+        local = f"symmetric-memory allocation or rendezvous failed: {type(exc).__name__}: {exc}"
+    if not _agree(buffer is not None, group, device):
+        return None, local or "the rendezvous failed on another rank (its log says why)"
+    assert buffer is not None
+    try:
+        local = buffer.self_test(rank)
+    except Exception as exc:  # noqa: BLE001 - an op refused the buffer (alignment, dtype, an old torch)
+        local = f"self-test raised {type(exc).__name__}: {exc}"
+    if not _agree(local is None, group, device):
+        return None, local or "the self-test failed on another rank (its log says why)"
+    _symm_buffers[buffer.key] = buffer
+    return buffer, None
+
+
+class TPComm:
+    """The collectives of one tensor-parallel rank over ``group`` (``None``: one rank, no collectives).
+
+    ``dtype`` and ``max_bytes`` size the ``symm`` mode's buffer (the model's dtype; its largest all-reduce,
+    capped at :data:`SYMM_BUFFER_MAX_BYTES`); ``symm_one_shot_max`` its one-shot limit. Asking for
+    ``symm`` is collective: every rank of the group constructs its TPComm together.
+    """
+
+    def __init__(
+        self,
+        group: Any,
+        comm: str = "auto",
+        device: torch.device | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        max_bytes: int = SYMM_BUFFER_MAX_BYTES,
+        symm_one_shot_max: int = SYMM_ONE_SHOT_MAX_BYTES,
+    ) -> None:
         if comm not in COMM_MODES:
             raise ConfigError(f"comm={comm!r} is unknown; accepted: {', '.join(COMM_MODES)}")
         distributed = group is not None and torch.distributed.is_initialized()
@@ -83,10 +387,32 @@ class TPComm:
         self.group = group
         self.world_size = torch.distributed.get_world_size(group) if distributed else 1
         self.rank = torch.distributed.get_rank(group) if distributed else 0
-        device_type = device.type if device is not None else "cpu"
-        self.mode = comm if comm != "auto" else ("op" if device_type == "cpu" else "torch")
+        device = device if device is not None else torch.device("cpu")
+        auto = "op" if device.type == "cpu" else "torch"
+        self.requested = comm
+        self.mode = comm if comm not in ("auto", "symm") else auto
         self.group_name = group.group_name if distributed else ""
-        if distributed and self.mode == "op":
+        self.symm: SymmBuffer | None = None
+        self.fallback_reason: str | None = None  # why ``symm`` was asked for and not used
+        if comm == "symm":
+            if distributed:
+                self.symm, self.fallback_reason = _setup_symm(
+                    group, device, dtype, max_bytes, symm_one_shot_max, self.rank
+                )
+            else:
+                self.fallback_reason = "one rank: nothing to all-reduce"
+            if self.symm is not None:
+                self.mode = "symm"
+                if self.rank == 0:
+                    logger.info("tensor-parallel all-reduce: symmetric memory, %r", self.symm)
+            elif distributed:
+                logger.warning(
+                    "tensor-parallel all-reduce: comm='symm' asked, using %r (rank %d): %s",
+                    self.mode,
+                    self.rank,
+                    self.fallback_reason,
+                )
+        if distributed and self.mode in ("op", "symm"):
             _groups[self.group_name] = group
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -95,6 +421,9 @@ class TPComm:
             return tensor
         if self.mode == "torch":
             torch.distributed.all_reduce(tensor, group=self.group)
+        elif self.mode == "symm":
+            assert self.symm is not None
+            torch.ops.devgraph_tp.symm_all_reduce(tensor, self.symm.key)
         else:
             torch.ops.devgraph_tp.all_reduce(tensor, self.group_name)
         return tensor
@@ -103,9 +432,10 @@ class TPComm:
         """``[N, C]`` on each rank -> ``[world_size * N, C]``, rank 0's rows first."""
         if self.world_size == 1:
             return tensor
-        if self.mode == "torch":
+        if self.mode in ("torch", "symm"):  # symm: one all-gather per step, NCCL's
             return _all_gather_now(tensor, self.group, self.world_size)
         return torch.ops.devgraph_tp.all_gather(tensor, self.group_name, self.world_size)
 
     def __repr__(self) -> str:
-        return f"TPComm(rank={self.rank}, world_size={self.world_size}, mode={self.mode!r})"
+        extra = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
+        return f"TPComm(rank={self.rank}, world_size={self.world_size}, mode={self.mode!r}{extra})"

@@ -115,7 +115,8 @@ class TPReferenceModel(ReferenceModel):
     ``verify_step`` (each rank gets the same batch and returns the full logits), the batch helpers, the
     runners (pass ``process_group=``; :func:`tp_decode_runner` does). ``config`` is the full model's;
     ``num_heads``, ``num_kv_heads``, ``intermediate_size`` and ``vocab_size`` must divide by the group's
-    size. ``comm``: how collectives are issued (:mod:`devgraph.reference.tp.comm`). ``exact_weights``:
+    size. ``comm``: how collectives are issued (:mod:`devgraph.reference.tp.comm`; ``"symm"`` is collective
+    at construction: every rank builds its model together). ``exact_weights``:
     draw the full weights on the CPU as ReferenceModel does (equal to it; slow for billions of
     parameters), else on ``device`` (fast, the same on every rank).
     """
@@ -134,7 +135,10 @@ class TPReferenceModel(ReferenceModel):
         nn.Module.__init__(self)  # ReferenceModel's own __init__ would draw and keep the full weights
         device = torch.device(device if device is not None else "cpu")
         self.config = config
-        self.comm = TPComm(group, comm, device)
+        # The largest all-reduce: a step of every request's every token ([tokens, hidden]); ``symm`` caps
+        # its buffer (comm.SYMM_BUFFER_MAX_BYTES) and sends larger messages to NCCL.
+        message = config.max_requests * config.max_seq_len * config.hidden_size
+        self.comm = TPComm(group, comm, device, dtype=config.dtype, max_bytes=message * config.dtype.itemsize)
         size = self.comm.world_size
         bad = [
             f"{name}={getattr(config, name)}"

@@ -13,6 +13,7 @@ checked and the KV cache sized before any weight is allocated:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,11 +118,20 @@ class ModelSource:
         return Built(model, time.perf_counter() - start, weights, how)
 
 
+#: Environment variable: how a ``--tp`` server's ranks all-reduce (``auto``, ``torch``, ``op`` or ``symm``:
+#: :mod:`devgraph.reference.tp.comm`); read by every rank, so the server and its workers agree.
+TP_COMM_ENV = "DEVGRAPH_TP_COMM"
+
+
 def _tp_model(config: ReferenceConfig, group: Any, device: torch.device, seed: int, weights: str) -> Any:
     from devgraph.reference.tp import TPReferenceModel  # only a --tp server needs it
+    from devgraph.reference.tp.comm import COMM_MODES
 
+    comm = os.environ.get(TP_COMM_ENV, "").strip().lower() or "auto"
+    if comm not in COMM_MODES:
+        raise ConfigError(f"{TP_COMM_ENV}={shorten(comm)} is unknown; accepted: {', '.join(COMM_MODES)}")
     # exact_weights: a preset's shards are drawn as the single-device model draws (equal tokens).
-    return TPReferenceModel(config, group, device, seed, exact_weights=True, weights=weights)
+    return TPReferenceModel(config, group, device, seed, exact_weights=True, weights=weights, comm=comm)
 
 
 def open_model(
