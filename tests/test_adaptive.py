@@ -150,3 +150,34 @@ def test_a_default_fake_of_the_wrong_shape_gets_advice_naming_fake():
     fixed.capture()
     x = torch.randn(3, 4)
     torch.testing.assert_close(fixed.run(x=x), projects_faked(x))
+
+
+def test_a_static_compiles_signature_never_reads_a_tensors_values(monkeypatch):
+    """An H200 run: a regional compile of the reference decoder failed to capture, because the signature
+    of its arguments took ``repr`` of the paged-attention metadata (an unhashable dataclass of tensors),
+    which formats each tensor with ``.item()``: a host sync inside the capture. Tensors nested in
+    dataclasses, tuples, lists and dicts count by shape, dtype and device; their values are never read."""
+    from dataclasses import dataclass
+
+    from devgraph.strategies.adaptive import _signature
+
+    @dataclass
+    class Meta:  # unhashable (eq without frozen), tensors inside, as PagedMetadata
+        lengths: torch.Tensor
+        tables: list[torch.Tensor]
+        extra: dict[str, torch.Tensor]
+
+    def meta(rows: int) -> Meta:
+        return Meta(torch.arange(rows), [torch.zeros(rows, 4)], {"slots": torch.ones(rows)})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor's value was read")
+
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    monkeypatch.setattr(torch.Tensor, "__repr__", refuse)
+    x = torch.zeros(3, 8)
+    first = _signature((x, meta(3)), {"frozen": (torch.ones(2),)})
+    assert first == _signature((torch.ones(3, 8), meta(3)), {"frozen": (torch.zeros(2),)})  # other values
+    assert first != _signature((x, meta(5)), {"frozen": (torch.ones(2),)})  # a nested shape differs
+    assert first != _signature((x, meta(3)), {"frozen": (torch.ones(3),)})
+    hash(first)

@@ -14,6 +14,7 @@ a static compile fails too, naming both causes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -123,19 +124,34 @@ def _unmarked(value: Any) -> Any:
 
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """What one static compile serves: the shapes, dtypes and devices of the tensor arguments and the
-    other arguments' values (dynamo guards on all of them)."""
+    """What one static compile serves: the shapes, dtypes and devices of the tensor arguments, inside
+    tuples, lists, dicts and dataclasses too (a paged-attention metadata object holds its tensors), and the
+    other arguments' values (dynamo guards on all of them).
+
+    Never a tensor's values: this runs inside a CUDA graph capture, where reading one (``repr`` of a
+    dataclass holding tensors formats them with ``.item()``) is a host sync that fails the capture. An
+    argument of any other unhashable type counts by its type."""
 
     def one(value: Any) -> Hashable:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), value.dtype, value.device.type)
         if isinstance(value, torch.nn.Module):  # a layer of a regional compile: its class, not which one
             return ("module", type(value).__qualname__)
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, tuple(one(v) for v in value))
+        if isinstance(value, dict):
+            return (
+                "dict",
+                tuple(sorted(((repr(k), one(v)) for k, v in value.items()), key=lambda kv: kv[0])),
+            )
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = tuple((f.name, one(getattr(value, f.name))) for f in dataclasses.fields(value))
+            return (type(value).__qualname__, fields)
         try:
             hash(value)
             return value
         except TypeError:
-            return repr(value)
+            return ("object", type(value).__qualname__)
 
     return tuple(one(a) for a in args), tuple(sorted((k, one(v)) for k, v in kwargs.items()))
 
