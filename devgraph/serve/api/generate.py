@@ -2,8 +2,9 @@
 
 A request holds one or more prompts (a completions ``prompt`` list); each is submitted as one engine
 request of ``n`` copies (``best_of`` copies where that is larger), which the engine samples from one
-prefill. The engine thread hands each step's outputs to the request's queue (through :class:`Outbox`: one
-event-loop wake-up per step, not one per token). Each choice (a copy) turns its token ids into text with
+prefill. The engine thread hands each step's outputs to the request's :class:`Mailbox` (through
+:class:`Outbox`: one event-loop wake-up per step, not one per token; a stream writes the chunks of the
+outputs that arrived together in one write). Each choice (a copy) turns its token ids into text with
 the tokenizer's incremental decoder, watches for stop strings
 (:class:`~devgraph.serve.api.stops.StopMatcher`: on a match that copy ends at once with
 ``finish_reason: "stop"``), and the answer takes the route's shape: one JSON body, or server-sent events
@@ -115,24 +116,54 @@ class Shape(Protocol):
         ...
 
 
+class Mailbox:
+    """One HTTP request's engine outputs on the event loop. :class:`Outbox`'s flush puts them in; the
+    handler takes every output there in one go (:meth:`take`), so it wakes once per flush however many
+    outputs the flush brought (``n`` copies, or steps it fell behind on), not once per output."""
+
+    def __init__(self) -> None:
+        self._outputs: list[RequestOutput] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        """On the event loop."""
+        self._outputs.append(output)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput]:
+        """Every output put in since the last take, oldest first; waits for one when there is none."""
+        while not self._outputs:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+
 class Outbox:
     """Hands engine outputs to the event loop with one wake-up per batch, not one per token.
 
     ``put`` runs on the engine thread: it appends to a deque and, unless a flush is already scheduled,
     schedules one with ``call_soon_threadsafe``; the flush (on the event loop) moves every pending output
-    into its request's queue. At 32 streams that is one wake-up per step instead of 32.
+    into its request's :class:`Mailbox`. At 32 streams that is one wake-up of the loop per step instead of
+    32. The lock is taken only to schedule a flush: an output appended while one is scheduled is moved by
+    that flush, which clears the flag before it drains the deque.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._pending: collections.deque[tuple[asyncio.Queue[RequestOutput], RequestOutput]] = (
-            collections.deque()
-        )
+        self._pending: collections.deque[tuple[Mailbox, RequestOutput]] = collections.deque()
         self._lock = threading.Lock()
         self._scheduled = False
 
-    def put(self, queue: asyncio.Queue[RequestOutput], output: RequestOutput) -> None:
-        self._pending.append((queue, output))
+    def put(self, mailbox: Mailbox, output: RequestOutput) -> None:
+        self._pending.append((mailbox, output))
+        if self._scheduled:  # the scheduled flush has not cleared the flag yet: it drains this one too
+            return
         with self._lock:
             if self._scheduled:
                 return
@@ -142,9 +173,10 @@ class Outbox:
     def _flush(self) -> None:
         with self._lock:
             self._scheduled = False
-        while self._pending:
-            queue, output = self._pending.popleft()
-            queue.put_nowait(output)
+        pending = self._pending
+        while pending:
+            mailbox, output = pending.popleft()
+            mailbox.put(output)
 
 
 class _Run:
@@ -163,9 +195,7 @@ class _Run:
         self.open = len(self.choices)
         self.failed: str | None = None
 
-    def submit(
-        self, queue: asyncio.Queue[RequestOutput], outbox: Outbox, metrics: ServeMetrics | None
-    ) -> None:
+    def submit(self, mailbox: Mailbox, outbox: Outbox, metrics: ServeMetrics | None) -> None:
         """Check every prompt, then submit each (so a bad second prompt submits none)."""
         params = self.generation.params
         for prompt in self.generation.prompts:
@@ -175,7 +205,7 @@ class _Run:
         def sink(output: RequestOutput) -> None:  # on the engine thread
             if metrics is not None:
                 metrics.observe(output, time.monotonic() - arrival)
-            outbox.put(queue, output)
+            outbox.put(mailbox, output)
 
         for p, prompt in enumerate(self.generation.prompts):
             self.groups[self.engine.submit(prompt, params, sink)] = p
@@ -184,9 +214,18 @@ class _Run:
         for group in self.groups:
             self.engine.abort(group)
 
-    async def next(self, queue: asyncio.Queue[RequestOutput]) -> tuple[Choice, str, RequestOutput]:
-        """The next output: its choice and new text (a choice that reached a stop string is aborted)."""
-        output = await queue.get()
+    async def next(self, mailbox: Mailbox) -> list[tuple[Choice, str, RequestOutput]]:
+        """The outputs that arrived (at least one), each with its choice and new text, in order; stops
+        after the one that closed the last open choice or failed the request (as reading them one by
+        one would). A choice that reached a stop string is aborted."""
+        taken = []
+        for output in await mailbox.take():
+            taken.append(self._take(output))
+            if not self.open or self.failed is not None:
+                break
+        return taken
+
+    def _take(self, output: RequestOutput) -> tuple[Choice, str, RequestOutput]:
         choice = self.choices[self.groups[output.group], output.index]
         was_open = choice.finish is None
         text = choice.take(output)
@@ -241,9 +280,9 @@ async def respond(
     handler ends first. :class:`ApiError`: 400 for a prompt the engine cannot take, 503 while it is
     closing or asleep, 500 when the engine failed the request (before a stream started)."""
     run = _Run(engine, generation, tokenizer)
-    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    mailbox = Mailbox()
     try:
-        run.submit(queue, outbox, metrics)
+        run.submit(mailbox, outbox, metrics)
     except InputError as exc:
         run.abort()
         raise ApiError(400, str(exc)) from None
@@ -256,9 +295,9 @@ async def respond(
     finished = False
     try:
         if generation.stream:
-            response = await _stream(request, run, shape, queue)
+            response = await _stream(request, run, shape, mailbox)
         else:
-            response = await _collect(run, shape, queue)
+            response = await _collect(run, shape, mailbox)
         finished = True
         if metrics is not None:
             for tokens in run.group_tokens():
@@ -281,10 +320,10 @@ def _visible(run: _Run, logprobs: Sequence[TokenLogprob] | None) -> Sequence[Tok
     return logprobs if run.generation.client_logprobs else None
 
 
-async def _collect(run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput]) -> web.Response:
+async def _collect(run: _Run, shape: Shape, mailbox: Mailbox) -> web.Response:
     created = now()
     while run.open and run.failed is None:
-        await run.next(queue)
+        await run.next(mailbox)
     if run.failed is not None:
         raise ApiError(500, f"the engine failed on this request: {run.failed}")
     body = _head(shape, run.generation, next(iter(run.groups)), created, chunk=False)
@@ -293,14 +332,12 @@ async def _collect(run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput])
     return web.json_response(body)
 
 
-async def _stream(
-    request: web.Request, run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput]
-) -> web.StreamResponse:
+async def _stream(request: web.Request, run: _Run, shape: Shape, mailbox: Mailbox) -> web.StreamResponse:
     created = now()
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
     try:
-        await _events(response, run, shape, queue, created)
+        await _events(response, run, shape, mailbox, created)
     except Exception as exc:
         if isinstance(exc, ConnectionError):
             raise  # the client left: respond() aborts its requests
@@ -316,40 +353,69 @@ async def _stream(
 
 
 async def _events(
-    response: web.StreamResponse, run: _Run, shape: Shape, queue: asyncio.Queue[RequestOutput], created: int
+    response: web.StreamResponse, run: _Run, shape: Shape, mailbox: Mailbox, created: int
 ) -> None:
-    """The stream's events up to (not including) ``[DONE]``."""
+    """The stream's events up to (not including) ``[DONE]``: the chunks of the outputs that arrived
+    together (one engine step's, for this request) go out in one write."""
     generation = run.generation
-    head = _head(shape, generation, next(iter(run.groups)), created, chunk=True)
+    chunk = _ChunkEncoder(_head(shape, generation, next(iter(run.groups)), created, chunk=True))
 
-    def usage() -> dict[str, Any]:
-        if generation.continuous_usage:
-            return {"usage": run.usage()}
-        return {"usage": None} if generation.include_usage else {}
+    def usage() -> dict[str, Any] | None:
+        return run.usage() if generation.continuous_usage else None
 
+    has_usage = generation.continuous_usage or generation.include_usage
     for choice in sorted(run.choices.values(), key=lambda c: c.index):
         opening = shape.opening(choice)
         if opening is not None:
-            await _event(response, {**head, "choices": [opening], **usage()})
+            await response.write(chunk.encode([opening], has_usage, usage()))
     while run.open:
-        choice, text, output = await run.next(queue)
+        events: list[bytes] = []
+        for choice, text, output in await run.next(mailbox):
+            if run.failed is not None:
+                message = f"the engine failed on this request: {run.failed}"
+                events.append(_encoded(error_body(ApiError(500, message))))
+                break
+            choice.pending_ids += output.token_ids
+            if output.logprobs is not None:
+                choice.pending_logprobs = (choice.pending_logprobs or []) + output.logprobs
+            if not text and choice.finish is None and not (output.prompt_logprobs and not choice.sent_first):
+                continue  # no text yet: these tokens go with the next chunk that has some
+            ids, logprobs = choice.pending_ids, choice.pending_logprobs
+            choice.pending_ids, choice.pending_logprobs = [], None
+            piece = shape.piece(choice, text, ids, _visible(run, logprobs))
+            choice.sent_first = True
+            events.append(chunk.encode([piece], has_usage, usage()))
+        if events:
+            await response.write(b"".join(events))
         if run.failed is not None:
-            message = f"the engine failed on this request: {run.failed}"
-            await _event(response, error_body(ApiError(500, message)))
             break
-        choice.pending_ids += output.token_ids
-        if output.logprobs is not None:
-            choice.pending_logprobs = (choice.pending_logprobs or []) + output.logprobs
-        if not text and choice.finish is None and not (output.prompt_logprobs and not choice.sent_first):
-            continue  # no text yet: these tokens go with the next chunk that has some
-        ids, logprobs = choice.pending_ids, choice.pending_logprobs
-        choice.pending_ids, choice.pending_logprobs = [], None
-        piece = shape.piece(choice, text, ids, _visible(run, logprobs))
-        choice.sent_first = True
-        await _event(response, {**head, "choices": [piece], **usage()})
     if generation.include_usage and run.failed is None:
-        await _event(response, {**head, "choices": [], "usage": run.usage()})
+        await response.write(chunk.encode([], True, run.usage()))
+
+
+#: Compact JSON (no spaces), as every event is written; one encoder, not one per event.
+_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
+def _encoded(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _JSON.encode(payload).encode() + b"\n\n"
+
+
+class _ChunkEncoder:
+    """A stream's chunk events as bytes: the head (``id``, ``object``, ``created``, ``model``) is
+    serialised once, then each chunk's ``choices`` and ``usage`` after it; the bytes are those of
+    :func:`_encoded` of ``{**head, "choices": ..., "usage": ...}``."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self._prefix = b"data: " + _JSON.encode(head)[:-1].encode() + b',"choices":'
+
+    def encode(self, choices: list[dict[str, Any]], has_usage: bool, usage: dict[str, Any] | None) -> bytes:
+        """A chunk of ``choices``; ``has_usage``: with a ``usage`` field (``null`` when ``usage`` is None)."""
+        body = _JSON.encode(choices)
+        if has_usage:
+            body += ',"usage":' + _JSON.encode(usage)
+        return self._prefix + body.encode() + b"}\n\n"
 
 
 async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+    await response.write(_encoded(payload))

@@ -82,16 +82,23 @@ class ServeMetrics:
         self.registry = prom.CollectorRegistry()
         labels = (model_name, "0")
 
+        def family(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return prom.Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets)
+
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            metric = prom.Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets)
-            return metric.labels(*labels)
+            return family(name, doc, buckets).labels(*labels)
 
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens", _ITL_BUCKETS)
-        self.tpot = histogram(
-            "vllm:time_per_output_token_seconds",
-            "Time between two tokens (vLLM's older name of inter_token_latency, which dashboards read)",
-            _ITL_BUCKETS,
+        itl = family("vllm:inter_token_latency_seconds", "Time between two tokens", _ITL_BUCKETS)
+        self.itl = itl.labels(*labels)
+        # The same observations under vLLM's older name: observed once (every token of every request
+        # passes here, on the engine thread), exported twice.
+        self.registry.register(
+            _Renamed(
+                itl,
+                "vllm:time_per_output_token_seconds",
+                "Time between two tokens (vLLM's older name of inter_token_latency, which dashboards read)",
+            )
         )
         self.prefill = histogram(
             "vllm:request_prefill_time_seconds",
@@ -130,8 +137,7 @@ class ServeMetrics:
         if output.ttft is not None:
             self.ttft.observe(since_arrival)
         if output.itl is not None:
-            self.itl.observe(output.itl)
-            self.tpot.observe(output.itl)
+            self.itl.observe(output.itl)  # vllm:time_per_output_token_seconds too (_Renamed)
         if output.finished:
             self.e2e.observe(since_arrival)
             self.prompt_tokens.observe(output.num_prompt_tokens)
@@ -150,6 +156,27 @@ class ServeMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type (reads the engine's stats: call off the event loop)."""
         return self._prom.generate_latest(self.registry), self._prom.CONTENT_TYPE_LATEST
+
+
+class _Renamed:
+    """A metric's family (``source``'s, a histogram registered on its own) exported again under ``name``
+    with its own help text: one histogram observed once, exposed under two names."""
+
+    def __init__(self, source: Any, name: str, documentation: str) -> None:
+        self._core = importlib.import_module("prometheus_client.core")
+        self._source = source
+        self._name = name
+        self._documentation = documentation
+
+    def describe(self) -> list[Any]:
+        return [self._core.Metric(self._name, self._documentation, "histogram")]
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._source.collect():
+            renamed = self._core.Metric(self._name, self._documentation, family.type, family.unit)
+            suffix = len(family.name)  # _bucket, _count, _sum, _created
+            renamed.samples = [s._replace(name=self._name + s.name[suffix:]) for s in family.samples]
+            yield renamed
 
 
 class _StatsCollector:

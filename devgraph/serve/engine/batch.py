@@ -96,13 +96,22 @@ def decode_batch(
     positions, slots, lens = [], [], []
     rows: list[int] = []
     pending = False
-    for request in requests:
+    for request in requests:  # one token each: _ids and _slots for one position, inlined (the hot loop)
         position = request.num_computed
-        pending |= _ids(request, position, 1, ids, from_slots)
+        row = _row(request)
+        known = len(request.prompt) + len(request.output)
+        if position < known:
+            ids.append(request.token_at(position))
+            from_slots.append(-1)
+        else:
+            ids.append(0)
+            from_slots.append(row)
+            pending = True
+        block, offset = divmod(position, block_size)
         positions.append(position)
-        slots.append(_slots(request, position, 1, block_size)[0])
+        slots.append(request.blocks[block] * block_size + offset)
         lens.append(position + 1)
-        rows.append(_row(request))
+        rows.append(row)
     pad = max(0, (pad_to or 0) - len(requests))
     inputs = {
         "input_ids": ids + [0] * pad,
