@@ -9,6 +9,8 @@ the scheduler).
 
 from __future__ import annotations
 
+import array
+import ctypes
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -91,6 +93,8 @@ class BlockTables:
     def __init__(self, max_rows: int, width: int) -> None:
         self.width = width
         self.table = torch.zeros((max_rows + 1, width), dtype=torch.int32)
+        # The table's memory as Python ints (it never moves: the tensor is never resized or replaced).
+        self._ints = _int32_view(self.table)
         self.padding_row = max_rows
         self._free_rows: deque[int] = deque(range(max_rows))
 
@@ -106,8 +110,25 @@ class BlockTables:
     def write(self, row: int, start: int, blocks: Sequence[int]) -> None:
         """Blocks ``start .. start + len(blocks) - 1`` of a request's table."""
         if blocks:
-            self.table[row, start : start + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            # Straight into the table's memory: a decode step that crosses a block boundary writes one
+            # block per request, where a tensor write costs four torch ops (a tensor, a select, a slice,
+            # a copy) each.
+            if not 0 <= start <= start + len(blocks) <= self.width:
+                raise RuntimeError(
+                    f"blocks {start}..{start + len(blocks) - 1} past a table row of {self.width} (bug)"
+                )
+            at = row * self.width + start
+            self._ints[at : at + len(blocks)] = array.array("i", blocks)
 
-    def gather(self, rows: Sequence[int]) -> torch.Tensor:
-        """The ``[len(rows), width]`` tables of these rows (a new tensor)."""
-        return self.table.index_select(0, torch.tensor(rows, dtype=torch.int64))
+    def gather(self, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The ``[len(rows), width]`` tables of these rows (a new tensor); ``rows`` a list or an int64
+        tensor (the step's own, so no second one is made)."""
+        index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
+        return self.table.index_select(0, index)
+
+
+def _int32_view(table: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU int32 tensor's memory as C ints (no numpy needed)."""
+    assert table.dtype == torch.int32 and table.is_contiguous() and table.device.type == "cpu"
+    memory = (ctypes.c_int32 * table.numel()).from_address(table.data_ptr())
+    return memoryview(memory).cast("B").cast("i")

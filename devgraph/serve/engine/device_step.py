@@ -7,9 +7,10 @@ of the work around the forward, named in :data:`STEP_ARRAYS`. :meth:`DeviceStep.
 1. copies the KV blocks the scheduler gave private copies of (``copy_from`` -> ``copy_to``,
    copy-on-write of blocks ``n > 1`` copies share);
 2. takes the ids of pending tokens from the token slots (``id_slots``: a token the previous step sampled,
-   which the host has not read yet). Under tensor parallelism rank 0 holds the slots and broadcasts the
-   step's ids to the other ranks: one small collective, queued on the device like the forward's own, so
-   no rank's host waits for it;
+   which the host has not read yet; ``pending_slots`` when every token is pending, as in overlapped
+   decode: one gather instead of four ops). Under tensor parallelism rank 0 holds the slots and
+   broadcasts the step's ids to the other ranks: one small collective, queued on the device like the
+   forward's own, so no rank's host waits for it;
 3. runs the forward through the decode or the prefill runner.
 
 Rank 0's engine then samples on the device and writes each sampled token into its request's slot
@@ -35,13 +36,15 @@ __all__ = ["STEP_ARRAYS", "DeviceStep", "StepResult", "TokenSlots"]
 StepResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 #: Arrays a step's message carries besides the forward's inputs (and the sampler's arrays, rank 0 only):
-#: copy-on-write blocks, where pending ids come from, the logits rows sampled (a row of a request whose
-#: ``n`` copies fork repeats) and the slot each sampled token goes to, and the rows and targets of prompt
-#: tokens scored for their log probabilities.
+#: copy-on-write blocks, where pending ids come from (``id_slots``, or ``pending_slots`` when every id
+#: does), the logits rows sampled (a row of a request whose ``n`` copies fork repeats; absent when the
+#: leading rows sample, one token each) and the slot each sampled token goes to, and the rows and targets
+#: of prompt tokens scored for their log probabilities.
 STEP_ARRAYS = (
     "copy_from",
     "copy_to",
     "id_slots",
+    "pending_slots",
     "sample_rows",
     "sample_slots",
     "score_rows",
@@ -51,7 +54,8 @@ STEP_ARRAYS = (
 
 class TokenSlots:
     """The last token sampled for each running request, on the device, at the request's block-table row
-    (a running request holds its row for as long as it runs, and no two running requests share one)."""
+    (a running request holds its row for as long as it runs, and no two running requests share one).
+    The last slot is the padding row's, which no request holds: it is never written and stays 0."""
 
     def __init__(self, count: int, device: torch.device) -> None:
         self.tokens = torch.zeros(count, dtype=torch.int64, device=device)
@@ -63,6 +67,10 @@ class TokenSlots:
         """``input_ids`` with each token whose ``id_slots`` entry is a slot (not -1) taken from it."""
         pending = self.tokens.index_select(0, id_slots.clamp(min=0))
         return torch.where(id_slots >= 0, pending, input_ids)
+
+    def pending(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every token's id from its slot (a padding token's from the padding slot: 0, as in its input)."""
+        return self.tokens.index_select(0, slots)
 
 
 class DeviceStep:
@@ -101,6 +109,9 @@ class DeviceStep:
         id_slots = arrays.get("id_slots")
         if id_slots is not None:
             inputs["input_ids"] = self._ids(inputs["input_ids"], id_slots)
+        pending_slots = arrays.get("pending_slots")
+        if pending_slots is not None:
+            inputs["input_ids"] = self._ids(inputs["input_ids"], pending_slots, every=True)
         return runner.run(context=context, **inputs)  # type: ignore[no-any-return]
 
     def copy_blocks(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
@@ -109,8 +120,12 @@ class DeviceStep:
             for cache in (*self.model.k_cache, *self.model.v_cache):
                 cache.index_copy_(0, targets, cache.index_select(0, sources))
 
-    def _ids(self, input_ids: torch.Tensor, id_slots: torch.Tensor) -> torch.Tensor:
-        ids = self.slots.ids(input_ids, id_slots) if self.leader else input_ids.clone()
+    def _ids(self, input_ids: torch.Tensor, slots: torch.Tensor, *, every: bool = False) -> torch.Tensor:
+        """The step's ids: from ``slots`` where pending (``every``: ``slots`` names one for every token)."""
+        if not self.leader:
+            ids = input_ids.clone()
+        else:
+            ids = self.slots.pending(slots) if every else self.slots.ids(input_ids, slots)
         if self.group is not None:  # rank 0 holds the slots: every rank gets the step's ids from it
             torch.distributed.broadcast(ids, src=self.source, group=self.group)
         return ids

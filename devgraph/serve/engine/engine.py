@@ -493,10 +493,10 @@ class Engine:
         """Stage, plan and issue one forward and its sampling; fills ``forward`` as it goes (so a failure
         half-way knows the copies it forked)."""
         batch = self._stage(forward.kind, entries)
-        message, plan, rows = self._plan(forward, batch, copies)
+        message, plan = self._plan(forward, batch, copies)
         observer = self.step_observer
         mark = observer.begin(forward.kind) if observer is not None else None
-        self._run_on_device(forward, batch, message, plan, rows)
+        self._run_on_device(forward, batch, message, plan)
         if observer is not None:
             observer.end(mark, int(batch.inputs["input_ids"].shape[0]), len(batch.requests))
         for member in forward.sampled:
@@ -506,10 +506,10 @@ class Engine:
 
     def _plan(
         self, forward: IssuedForward, batch: StepBatch, copies: list[tuple[int, int]]
-    ) -> tuple[StepMessage, SamplingPlan, list[int]]:
+    ) -> tuple[StepMessage, SamplingPlan]:
         """The host's half: positions computed, forks, which rows sample (and their uniform numbers), which
-        prompt rows are scored; all of it packed with the inputs into one message. Returns the message,
-        the sampling plan and the logits row of each sampled request."""
+        prompt rows are scored; all of it packed with the inputs into one message. Returns the message
+        and the sampling plan."""
         arrays = dict(batch.inputs)
         arrays.update(self._plan_prompt_scores(forward, batch))
         for request, length in zip(batch.requests, batch.lengths, strict=True):
@@ -527,19 +527,28 @@ class Engine:
         plan = self.sampler.plan(forward.sampled)
         forward.logprob_counts = plan.logprob_counts
         if forward.sampled:
-            arrays["sample_rows"] = torch.tensor(rows, dtype=torch.int64)
-            arrays["sample_slots"] = torch.tensor([m.row for m in forward.sampled], dtype=torch.int64)
+            if rows == list(range(len(rows))) and batch.rows is not None:
+                # The first rows sample, one token each (every decode step): the logits' leading rows are
+                # the sampled ones (a view on the device, no gather), and the sampled tokens' slots are
+                # those requests' rows, which the step already carries.
+                whole = len(rows) == batch.rows.shape[0]
+                arrays["sample_slots"] = batch.rows if whole else batch.rows[: len(rows)]
+            else:  # rows that do not sample (a prompt chunk's) or repeat (n copies forked)
+                arrays["sample_rows"] = torch.tensor(rows, dtype=torch.int64)
+                arrays["sample_slots"] = torch.tensor([m.row for m in forward.sampled], dtype=torch.int64)
             arrays.update(plan.arrays)
         if copies:
             arrays["copy_from"] = torch.tensor([c[0] for c in copies], dtype=torch.int64)
             arrays["copy_to"] = torch.tensor([c[1] for c in copies], dtype=torch.int64)
         if batch.id_slots is not None:
             arrays["id_slots"] = batch.id_slots
+        if batch.pending_slots is not None:
+            arrays["pending_slots"] = batch.pending_slots
         step = next(self._step_numbers)
         message = encode_step(
             forward.kind, arrays, batch.context, step=step, columns=self._columns(batch), pin=self._pin
         )
-        return message, plan, rows
+        return message, plan
 
     def _run_on_device(
         self,
@@ -547,17 +556,22 @@ class Engine:
         batch: StepBatch,
         message: StepMessage,
         plan: SamplingPlan,
-        rows: list[int],
     ) -> None:
         """The device's half, queued and never waited for: the message's one copy, the forward, sampling,
-        the tokens into their slots, the prompt's scores, and the copies of what the host reads."""
+        the tokens into their slots, the prompt's scores, and the copies of what the host reads. Each op
+        here is a launch on a GPU, issued while the device runs the previous step: parts nobody asked
+        for this step (copy-on-write, log probabilities, sampling's draws, a gather of the sampled rows)
+        issue nothing."""
         on_device = message.inputs(self.model.device)
         result = self.launch(forward.kind, message, on_device, batch.context)
         logits, hidden = result if isinstance(result, tuple) else (result, None)
         back: list[torch.Tensor] = []
         if forward.sampled:
-            if rows != list(range(logits.shape[0])):
-                logits = logits.index_select(0, on_device["sample_rows"])
+            sample_rows = on_device.get("sample_rows")  # absent: the leading rows sample, in order
+            if sample_rows is not None:
+                logits = logits.index_select(0, sample_rows)
+            elif logits.shape[0] != len(forward.sampled):  # padding rows (deterministic mode)
+                logits = logits[: len(forward.sampled)]
             tokens, logprobs = sample_on_device(logits, plan, on_device)
             self.device_step.slots.write(on_device["sample_slots"], tokens)
             back += (tokens, *(logprobs.tensors() if logprobs is not None else ()))
