@@ -70,6 +70,7 @@ run_step() {  # run_step NAME: one step, its limit, its command
     serve_tp_full) limit=445 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 420" ;;
     serve_tp_nofp32) limit=330 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 310 --no-fp32" ;;
     serve_tp_symm) limit=330 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp-symm.json --time-budget 310 --no-fp32 --tp-comm symm" ;;
+    step_ops) limit=60 cmd="$PY benchmarks/bench_step_ops.py --device cuda --out $R/step-ops.json" ;;
     serve_host) limit=150 cmd="$PY benchmarks/bench_serve_host.py --device cuda --preset qwen3-0.6b --out $R/serve-host.json" ;;
     tp_comm) limit=70 cmd="$PY benchmarks/bench_tp_comm.py --out $R/tp-comm.json --deadline 60" ;;
     kill_test) limit=100 cmd="pytest_json kill-test 90 -m multi_gpu tests/test_serve_tp.py::test_a_worker_killed_on_two_gpus_fails_the_stream_and_the_server_exits" ;;
