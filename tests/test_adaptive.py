@@ -181,3 +181,30 @@ def test_a_static_compiles_signature_never_reads_a_tensors_values(monkeypatch):
     assert first != _signature((x, meta(5)), {"frozen": (torch.ones(2),)})  # a nested shape differs
     assert first != _signature((x, meta(3)), {"frozen": (torch.ones(3),)})
     hash(first)
+
+
+def test_a_signature_of_arguments_that_refer_to_themselves_ends():
+    """A list holding itself, or a dataclass whose field points back at it (metadata linked to its
+    owner), had a signature through ``repr`` before nested containers were walked (repr stops at a
+    cycle); the walk must stop there too rather than raise RecursionError inside a capture."""
+    from dataclasses import dataclass
+
+    from devgraph.strategies.adaptive import _signature
+
+    @dataclass
+    class Node:
+        rows: torch.Tensor
+        parent: Node | None = None
+
+    looped: list = [torch.zeros(2)]
+    looped.append(looped)
+    node = Node(torch.zeros(3))
+    node.parent = node
+    sig = _signature((looped, node), {"again": node})
+    hash(sig)
+    assert sig == _signature((looped, node), {"again": node})
+    other = Node(torch.zeros(5))
+    other.parent = other
+    assert sig != _signature((looped, other), {"again": other})  # the nested shape still counts
+    shared = torch.zeros(4)
+    assert _signature(([shared, shared],), {}) == _signature(([torch.ones(4), torch.ones(4)],), {})

@@ -399,3 +399,21 @@ def test_triton_kernels_are_kept_under_cache_dir_unless_the_user_chose(tmp_path:
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path.resolve() / "triton")
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
     assert artifacts.keep_triton_kernels(str(tmp_path)) == "/elsewhere"
+
+
+@pytest.mark.parametrize(("compiler", "status"), [("eager", "hit"), ("inductor", "stale")])
+def test_a_file_of_choices_only_is_a_hit_only_for_a_compiler_that_leaves_no_artifacts(
+    tmp_path: Path, monkeypatch, compiler: str, status: str
+) -> None:  # type: ignore[no-untyped-def]
+    """``eager`` saves no artifacts: a file of the compiled-or-plain choices is all a warm start can load.
+    For inductor the same file (written where torch had no artifacts to save) holds none of the compiled
+    code: counted a hit, it said "loaded" while every start compiled from scratch, and, being a hit, was
+    never written again once artifacts could be saved."""
+    fingerprint = _fingerprint(["tokens=4"])
+    fingerprint["options"] = {**fingerprint["options"], "compiler": compiler}
+    writer = ArtifactCache(str(tmp_path), lambda: None, fingerprint)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
+    writer.save(choices={"tokens=4": {"kept": "plain", "compiled_s": 2e-3, "plain_s": 1e-3}})
+    reader = ArtifactCache(str(tmp_path), lambda: None, fingerprint)
+    assert reader.path == writer.path and reader.load() == status
+    assert bool(reader.choices) is (status == "hit")

@@ -310,3 +310,52 @@ def test_a_damaged_choice_in_the_artifact_file_is_timed_again(tmp_path):
     warm.capture()
     whys = {k: v["why"] for k, v in warm.inspect()["compiled_or_plain"]["keys"].items()}
     assert sorted(whys.values()) == ["cached", "cached", "cached", "faster"] and timer.calls > 0
+
+
+def test_a_time_in_the_artifact_file_too_large_for_a_float_is_ignored(tmp_path):
+    """The header is not covered by the payload's checksum: a number JSON holds but a float cannot (an
+    int of 400 digits) failed the warm start's capture with OverflowError instead of being ignored."""
+    make(StandInTimer(compiled_s=1.2e-3, plain_s=1e-3), cache_dir=str(tmp_path)).capture()
+    (path,) = tmp_path.glob("*.dgcache")
+    blob = path.read_bytes()
+    path.write_bytes(blob.replace(b'"compiled_s": 0.0012', b'"compiled_s": 1' + b"0" * 400, 1))
+    timer = StandInTimer(compiled_s=0.5e-3, plain_s=1e-3)
+    warm = make(timer, cache_dir=str(tmp_path))
+    warm.capture()
+    info = warm.inspect()["compiled_or_plain"]["keys"]
+    assert {v["why"] for v in info.values()} == {"cached"} and timer.calls == 0
+    assert None in {v["compiled_ms"] for v in info.values()}  # the unreadable time, not the choice, dropped
+
+
+def test_a_lazy_runners_later_keys_keep_their_choices_for_a_warm_start(tmp_path):
+    """A lazy runner captures each key at its first step, in a capture session of its own: the file was
+    written after the first one only, so a warm start timed the later keys again (and chose compiled where
+    the cold process had chosen plain). Each later key's choice is added to the file's header."""
+
+    def lazy(timer: StandInTimer) -> GraphRunner:
+        options = {"compiler": "eager", "cache_dir": str(tmp_path)}
+        backend = create_backend("cpu", "decode", "full", options=options)
+        backend.replay_timer = timer  # type: ignore[attr-defined]
+        return GraphRunner(
+            forward, phase="decode", inputs=INPUTS, device="cpu", sizes=SIZES, backend=backend, lazy=True
+        )
+
+    cold = lazy(StandInTimer(compiled_s=1.2e-3, plain_s=1e-3))
+    cold.capture()
+    for rows in (1, 3, 8):
+        cold.run(x=torch.randn(rows, 8))
+    assert set(kept(cold).values()) == {"plain"} and len(kept(cold)) == 3
+    (path,) = tmp_path.glob("*.dgcache")
+    payload = path.read_bytes().split(b"\n", 2)[2]
+    warm_timer = StandInTimer(compiled_s=0.5e-3, plain_s=1e-3)
+    warm = lazy(warm_timer)
+    warm.capture()
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(warm.run(x=x), forward(x))
+    info = warm.inspect()["compiled_or_plain"]["keys"]
+    assert {k: (v["kept"], v["why"]) for k, v in info.items()} == {
+        k: ("plain", "cached") for k in ("tokens=1", "tokens=4", "tokens=8")
+    }
+    assert warm_timer.calls == 0
+    assert path.read_bytes().split(b"\n", 2)[2] == payload  # the artifacts as written, the header grown

@@ -166,3 +166,109 @@ def test_the_decode_batch_puts_each_token_where_the_general_helpers_do() -> None
     assert batch.id_slots is not None
     assert batch.id_slots.tolist() == from_slots + [-1, -1]
     assert batch.inputs["input_ids"].dtype == torch.int64
+
+
+class _Written:
+    """A stream response that keeps what was written."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    async def write(self, data: bytes) -> None:
+        self.data += data
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(e[len(b"data: ") :]) for e in self.data.split(b"\n\n") if e]
+
+
+def _stream_of(outputs: list[RequestOutput], *, n: int = 1, continuous: bool = False) -> list[dict[str, Any]]:
+    """The events ``_events`` writes when ``outputs`` all arrive in one flush (the handler fell behind)."""
+    from devgraph.serve.api.chat import ChatShape
+    from devgraph.serve.api.fields import Generation
+    from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
+
+    class Engine:
+        def abort(self, *args: Any) -> None:
+            raise AssertionError("nothing is aborted")
+
+    async def main() -> list[dict[str, Any]]:
+        generation = Generation(
+            [[1, 2]], SamplingParams(max_tokens=4, n=n), True, continuous, (), False, "tiny", n=n,
+            continuous_usage=continuous,
+        )  # fmt: skip
+        tokenizer = ByteTokenizer()
+        run = generate._Run(SimpleNamespace(engine=Engine()), generation, tokenizer)  # type: ignore[arg-type]
+        run.groups["cmpl-0"] = 0
+        mailbox = Mailbox()
+        for output in outputs:
+            mailbox.put(output)
+        response = _Written()
+        await generate._events(response, run, ChatShape(tokenizer), mailbox, 1700000000)  # type: ignore[arg-type]
+        return response.events()
+
+    return asyncio.run(main())
+
+
+def test_a_stream_that_fell_behind_ends_each_choice_in_its_last_chunk_only() -> None:
+    """Two steps of one choice in one flush, the second ending it: each chunk is built after its own
+    output, so only the last one carries the finish reason (an earlier one said "length" before the text
+    that followed it, and a tool-call parser was fed its text as final)."""
+    events = _stream_of([_output("cmpl-0", 104), _output("cmpl-0", 105, finished=True)])
+    pieces = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert [(p["delta"]["content"], p["finish_reason"]) for p in pieces] == [("h", None), ("i", "length")]
+
+
+def test_continuous_usage_counts_the_tokens_up_to_each_chunk_of_one_flush() -> None:
+    outputs = [_output("cmpl-0", 104), _output("cmpl-0", 105), _output("cmpl-0", 106, finished=True)]
+    events = _stream_of(outputs, continuous=True)
+    completion = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert completion[-3:] == [1, 2, 3]
+
+
+def test_a_failure_in_the_same_flush_as_tokens_streams_the_tokens_first() -> None:
+    """The tokens a copy generated before the engine failed the request are sent, then the error: the
+    failure, read in the same flush, was reported before (and instead of) the chunks that preceded it."""
+    failed = RequestOutput("cmpl-0", [], finished=True, finish_reason=FinishReason.ERROR, error="boom")
+    events = _stream_of([_output("cmpl-0", 104), failed])
+    contents = [e["choices"][0]["delta"].get("content") for e in events if e.get("choices")]
+    assert "h" in contents
+    assert "boom" in json.dumps(events[-1])
+
+
+def test_a_copy_ended_by_a_stop_string_sends_nothing_after_its_finish() -> None:
+    """n=2, copy 0 reaches the stop string "i" while its next tokens are in flight (the abort takes a
+    step): those outputs, and the abort's own, added chunks after its finish (three with finish_reason
+    "stop") and counted their tokens in the usage; the engine was asked to abort it twice."""
+    from devgraph.serve.api.chat import ChatShape
+    from devgraph.serve.api.fields import Generation
+    from devgraph.serve.checkpoint.byte_tokenizer import ByteTokenizer
+
+    aborted: list[tuple[Any, ...]] = []
+
+    class Engine:
+        def abort(self, *args: Any) -> None:
+            aborted.append(args)
+
+    def out(token: int | None, index: int, reason: FinishReason | None = None) -> RequestOutput:
+        ids = [token] if token is not None else []
+        return RequestOutput("cmpl-0", ids, reason is not None, reason, group="cmpl-0", index=index)
+
+    async def main() -> list[dict[str, Any]]:
+        params = SamplingParams(max_tokens=8, n=2)
+        generation = Generation([[1, 2]], params, True, True, ("i",), False, "tiny", n=2)
+        tokenizer = ByteTokenizer()
+        run = generate._Run(Engine(), generation, tokenizer)  # type: ignore[arg-type]
+        run.groups["cmpl-0"] = 0
+        mailbox = Mailbox()
+        for output in (out(104, 0), out(104, 1), out(105, 0), out(106, 1), out(106, 0),
+                       out(None, 0, FinishReason.ABORT), out(107, 1, FinishReason.LENGTH)):  # fmt: skip
+            mailbox.put(output)
+        response = _Written()
+        await asyncio.wait_for(generate._events(response, run, ChatShape(tokenizer), mailbox, 1), 10)  # type: ignore[arg-type]
+        return response.events()
+
+    events = asyncio.run(main())
+    finishes = [(c["index"], c["finish_reason"]) for e in events for c in e["choices"] if c["finish_reason"]]
+    assert finishes == [(0, "stop"), (1, "length")]
+    assert len(aborted) == 1
+    assert events[-1]["usage"]["completion_tokens"] == 2 + 3  # h, i of copy 0; h, j, k of copy 1

@@ -95,14 +95,14 @@ def _fake_group(monkeypatch: pytest.MonkeyPatch, rank: int, answers: list[list[A
 
 
 def test_ranks_on_two_hosts_get_no_board_and_say_why(monkeypatch):
-    _fake_group(monkeypatch, 0, [[None, "elsewhere/boot"]])
+    _fake_group(monkeypatch, 0, [[None, ("elsewhere/boot", WIDTH)]])
     board, why = SharedBoard.build(object(), WIDTH)
     assert board is None and why == "the ranks span 2 hosts"
 
 
 def test_a_rank_that_cannot_map_the_board_leaves_every_rank_without_one(monkeypatch):
     host = board_module.host_identity()
-    _fake_group(monkeypatch, 0, [[None, host], [None, None], [None, "could not map it: denied"]])
+    _fake_group(monkeypatch, 0, [[None, (host, WIDTH)], [None, None], [None, "could not map it: denied"]])
     board, why = SharedBoard.build(object(), WIDTH)
     assert board is None and why == "rank 1: could not map it: denied"
     assert not list(board_module.board_directory().glob(f"devgraph-agree-{os.getpid()}-*"))  # unlinked
@@ -117,3 +117,33 @@ def test_shm_asked_across_hosts_is_a_config_error_and_auto_takes_a_collective(mo
     monkeypatch.setenv(AGREEMENT_ENV, "auto")
     monkeypatch.setattr(transport_module, "_is_nccl", lambda group: False)
     assert transport_module.transport_for(object(), WIDTH).name == "host"
+
+
+def test_a_rank_lost_while_the_board_is_built_leaves_no_file_behind(monkeypatch):
+    """Rank 0 creates the file, then a peer dies before every rank mapped it: the exchange raises, and the
+    file in /dev/shm (named by rank 0 alone) must still go."""
+    host = board_module.host_identity()
+    calls = []
+
+    def exchange(group: Any, payload: Any) -> list[Any]:
+        calls.append(payload)
+        if len(calls) == 1:
+            return [(host, WIDTH), (host, WIDTH)] if isinstance(payload, tuple) else [host, host]
+        raise PeerLost("rank 1 died")
+
+    monkeypatch.setattr(board_module, "exchange", exchange)
+    monkeypatch.setattr(board_module, "rank_of", lambda group: 0)
+    with pytest.raises(PeerLost, match="rank 1 died"):
+        SharedBoard.build(object(), WIDTH)
+    assert len(calls) == 2
+    assert not list(board_module.board_directory().glob(f"devgraph-agree-{os.getpid()}-*"))
+
+
+def test_ranks_whose_messages_differ_in_width_are_told_so_on_every_rank(monkeypatch):
+    """Ranks built with other axes send messages of other widths: the board's size differs, so no rank
+    could map rank 0's file, and the collective it fell back to aborted the process (gloo: "Received data
+    size doesn't match expected size"). Every rank raises instead, naming both widths."""
+    host = board_module.host_identity()
+    _fake_group(monkeypatch, 1, [[(host, WIDTH + 1), None]])
+    with pytest.raises(ConfigError, match=r"rank 0: 8 values; rank 1: 7"):
+        SharedBoard.build(object(), WIDTH)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from devgraph.errors import ConfigError
 from devgraph.ranks.group import PeerLost, exchange, rank_of, rank_timeout_s
 
 __all__ = ["SharedBoard", "host_identity"]
@@ -83,30 +84,47 @@ class SharedBoard:
     def build(cls, group: Any, width: int) -> tuple[SharedBoard | None, str]:
         """Every rank of ``group`` together: the board and ``""``, or ``None`` and why not on every rank
         (the ranks are not all on one host, or a rank could not map it; each rank then uses another
-        transport: the decision is the same on every rank, as it is taken from what every rank reported)."""
+        transport: the decision is the same on every rank, as it is taken from what every rank reported).
+        Raises :class:`ConfigError` on every rank when the ranks' ``width`` differ (no collective could
+        agree: gloo aborts the process on a size mismatch), :class:`PeerLost` when a rank is lost."""
         rank = rank_of(group)
-        hosts = exchange(group, host_identity())
-        if len(set(hosts)) != 1:
-            return None, f"the ranks span {len(set(hosts))} hosts"
-        ranks = len(hosts)
+        found = exchange(group, (host_identity(), width))
+        widths = [w for _, w in found]
+        if len(set(widths)) != 1:
+            # Any collective would fail (gloo aborts the process on a size mismatch): every rank says so.
+            listed = "; ".join(f"rank {r}: {w} values" for r, w in enumerate(widths))
+            raise ConfigError(
+                f"the data-parallel ranks' agreement messages differ in width ({listed}): their runners "
+                "were built with other axes; build every rank's runner with the same axes"
+            )
+        hosts = {host for host, _ in found}
+        if len(hosts) != 1:
+            return None, f"the ranks span {len(hosts)} hosts"
+        ranks = len(found)
         size = ranks * 2 * (width + 1) * _WORD
         path, mapped, problem = None, None, ""
-        if rank == 0:
-            try:
-                path = board_directory() / f"devgraph-agree-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-                mapped = _map(path, size, create=True)
-            except OSError as exc:
-                problem = f"rank 0 could not create the board: {exc}"
-        names = exchange(group, (str(path) if path is not None and mapped is not None else None, problem))
-        shared, problem = names[0]
-        if rank != 0 and shared is not None:
-            try:
-                mapped = _map(Path(shared), size, create=False)
-            except OSError as exc:
-                problem = f"could not map {shared}: {exc}"
-        answers = exchange(group, problem if mapped is None else "")
-        if rank == 0 and path is not None:
-            path.unlink(missing_ok=True)  # every rank mapped it (or gave up): the name is not needed
+        try:
+            if rank == 0:
+                try:
+                    path = board_directory() / f"devgraph-agree-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                    mapped = _map(path, size, create=True)
+                except OSError as exc:
+                    problem = f"rank 0 could not create the board: {exc}"
+            names = exchange(group, (str(path) if path is not None and mapped is not None else None, problem))
+            shared, problem = names[0]
+            if rank != 0 and shared is not None:
+                try:
+                    mapped = _map(Path(shared), size, create=False)
+                except OSError as exc:
+                    problem = f"could not map {shared}: {exc}"
+            answers = exchange(group, problem if mapped is None else "")
+        except BaseException:  # a rank lost while building (PeerLost): no file, no mapping left behind
+            if mapped is not None:
+                mapped.close()
+            raise
+        finally:
+            if rank == 0 and path is not None:
+                path.unlink(missing_ok=True)  # every rank mapped it (or gave up): the name is not needed
         problems = [f"rank {r}: {text}" for r, text in enumerate(answers) if text]
         if problems:
             if mapped is not None:

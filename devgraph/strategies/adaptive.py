@@ -130,13 +130,29 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
 
     Never a tensor's values: this runs inside a CUDA graph capture, where reading one (``repr`` of a
     dataclass holding tensors formats them with ``.item()``) is a host sync that fails the capture. An
-    argument of any other unhashable type counts by its type."""
+    argument of any other unhashable type counts by its type. A container met again inside itself (a
+    list holding itself, a dataclass pointing back at its owner) counts as a cycle, not walked again."""
+    inside: set[int] = set()  # the containers on the way to the value being looked at
 
     def one(value: Any) -> Hashable:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), value.dtype, value.device.type)
         if isinstance(value, torch.nn.Module):  # a layer of a regional compile: its class, not which one
             return ("module", type(value).__qualname__)
+        container = isinstance(value, (tuple, list, dict)) or (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)
+        )
+        if not container:
+            return plain(value)
+        if id(value) in inside:
+            return ("cycle", type(value).__qualname__)
+        inside.add(id(value))
+        try:
+            return walk(value)
+        finally:
+            inside.discard(id(value))
+
+    def walk(value: Any) -> Hashable:
         if isinstance(value, (tuple, list)):
             return (type(value).__name__, tuple(one(v) for v in value))
         if isinstance(value, dict):
@@ -144,9 +160,10 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
                 "dict",
                 tuple(sorted(((repr(k), one(v)) for k, v in value.items()), key=lambda kv: kv[0])),
             )
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = tuple((f.name, one(getattr(value, f.name))) for f in dataclasses.fields(value))
-            return (type(value).__qualname__, fields)
+        fields = tuple((f.name, one(getattr(value, f.name))) for f in dataclasses.fields(value))
+        return (type(value).__qualname__, fields)
+
+    def plain(value: Any) -> Hashable:
         try:
             hash(value)
             return value

@@ -272,6 +272,8 @@ class ArtifactCache:
         #: Per key name, the compiled-or-plain choice of the process that wrote the file (``full`` with a
         #: compiler, :class:`~devgraph.strategies.choice.CompileChoice`); loaded with a hit only.
         self.choices: dict[str, dict[str, Any]] = {}
+        #: The choices the file holds as this process last loaded (a hit) or wrote it.
+        self.choices_in_file: dict[str, dict[str, Any]] = {}
 
     def load(self) -> str:
         """Load the artifacts if the file matches this runner; returns and records the outcome."""
@@ -292,6 +294,7 @@ class ArtifactCache:
             logger.warning(
                 "devgraph: compile cache %s is %s; it is not used and will be rebuilt", self.path, self.status
             )
+        self.choices_in_file = dict(self.choices)
         return self.status
 
     def _load_blob(self, blob: bytes) -> str:
@@ -332,9 +335,11 @@ class ArtifactCache:
             return "hit"
         payload = traced
         if not payload:
-            # Only choices (a compiler that leaves no artifacts, ``eager``): a hit. Only a precompiled
-            # function, which this process cannot use: stale.
-            return "hit" if self.choices and not tail else "stale"
+            # Only choices: a hit for a compiler that leaves no artifacts (``eager``). For one that does,
+            # the compiled code is not here (torch had none to save): stale, so that it is saved once it
+            # can be. Only a precompiled function, which this process cannot use: stale.
+            leaves_none = self.fingerprint.get("options", {}).get("compiler") == "eager"
+            return "hit" if self.choices and not tail and leaves_none else "stale"
         try:
             loaded = torch.compiler.load_cache_artifacts(payload)
         except Exception as exc:  # torch rejected the payload (another build, a truncated write)
@@ -359,18 +364,46 @@ class ArtifactCache:
             "fingerprint": self.fingerprint,
             "choices": choices or {},
         }
+        self._write(_MAGIC + json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
+        self.status = "saved" if self.status != "hit" else "hit"
+        self.choices_in_file = dict(choices or {})
+        if precompiled:
+            self.saved_precompiled = True
+
+    def add_choices(self, choices: dict[str, dict[str, Any]]) -> None:
+        """Add the choices of keys captured after the file was loaded or written (a lazy runner captures
+        each key in a session of its own) to the file's header; the payload is copied as it is (this
+        process's cache artifacts may not hold what it loaded). Nothing when no choice is new, or when the
+        file is no longer this runner's."""
+        merged = {**self.choices_in_file, **choices}
+        if merged == self.choices_in_file:
+            return
+        try:
+            blob = self.path.read_bytes()
+        except OSError:
+            return
+        header_end = blob.find(b"\n", len(_MAGIC))
+        try:
+            header = json.loads(blob[len(_MAGIC) : header_end]) if blob.startswith(_MAGIC) else None
+        except ValueError:
+            header = None
+        if header_end < 0 or not isinstance(header, dict) or header.get("key") != self._key:
+            return  # rewritten by another runner sharing cache_dir, or damaged: leave it
+        header["choices"] = merged
+        self._write(_MAGIC + json.dumps(header, sort_keys=True, default=str).encode() + blob[header_end:])
+        self.choices_in_file = merged
+
+    def _write(self, blob: bytes) -> None:
+        """``blob`` as the file, atomically (a reader never sees half a file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".dgcache-")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(_MAGIC + json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
+                fh.write(blob)
             os.replace(tmp, self.path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self.status = "saved" if self.status != "hit" else "hit"
-        if precompiled:
-            self.saved_precompiled = True
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -251,8 +251,7 @@ class CompileChoice:
             kept = Kept(entry.get("kept"))
         except ValueError:
             return None
-        times = [entry.get(name) for name in ("compiled_s", "plain_s")]
-        compiled_s, plain_s = (float(t) if isinstance(t, (int, float)) else None for t in times)
+        compiled_s, plain_s = (_seconds(entry.get(name)) for name in ("compiled_s", "plain_s"))
         choice = KeyChoice(key, kept, "cached", compiled_s, plain_s)
         self.choices[key] = choice
         return choice
@@ -301,6 +300,17 @@ class CompileChoice:
             "plain_keys": sum(c.kept is Kept.PLAIN for c in ordered),
             "choice_seconds": round(sum(c.extra_s for c in ordered), 4),
         }
+
+
+def _seconds(value: Any) -> float | None:
+    """A time read from the artifact file's header (not checksummed): a float, or ``None`` where it is
+    none (another type, or an int too large for a float)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 class PlainOrCompiled:

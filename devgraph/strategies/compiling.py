@@ -262,6 +262,11 @@ class CompileSession:
         fresh = fresh and self.cache is not None and self.cache.precompiled is None
         if self.cache is not None and (self.cache.status in ("miss", "stale", "corrupt") or fresh):
             self._save(compiled.precompiled if fresh and compiled is not None else None, choices)
+        elif self.cache is not None and choices and self.cache.status in ("hit", "saved"):
+            try:  # keys captured after the file was written (lazily): their choices join it
+                self.cache.add_choices(choices)
+            except OSError as exc:
+                logger.warning("devgraph: could not update compile cache %s: %s", self.cache.path, exc)
         self.tracker.seal()
 
     def _save(self, precompiled: Any, choices: dict[str, dict[str, Any]] | None = None) -> None:

@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -218,12 +218,18 @@ class _Run:
         """The outputs that arrived (at least one), each with its choice and new text, in order; stops
         after the one that closed the last open choice or failed the request (as reading them one by
         one would). A choice that reached a stop string is aborted."""
-        taken = []
-        for output in await mailbox.take():
-            taken.append(self._take(output))
+        return list(self.each(await mailbox.take()))
+
+    def each(self, outputs: list[RequestOutput]) -> Iterator[tuple[Choice, str, RequestOutput]]:
+        """:meth:`next` one output at a time: each is taken (its choice's text, finish and the usage
+        updated) only when asked for, so what is built from the one before it sees the state as it was
+        then (a chunk's ``finish_reason`` and usage, a stream's tokens before a failure)."""
+        for output in outputs:
+            if self.choices[self.groups[output.group], output.index].finish is not None:
+                continue  # a copy a stop string ended had outputs in flight (and its abort's): not sent
+            yield self._take(output)
             if not self.open or self.failed is not None:
-                break
-        return taken
+                return
 
     def _take(self, output: RequestOutput) -> tuple[Choice, str, RequestOutput]:
         choice = self.choices[self.groups[output.group], output.index]
@@ -370,7 +376,7 @@ async def _events(
             await response.write(chunk.encode([opening], has_usage, usage()))
     while run.open:
         events: list[bytes] = []
-        for choice, text, output in await run.next(mailbox):
+        for choice, text, output in run.each(await mailbox.take()):
             if run.failed is not None:
                 message = f"the engine failed on this request: {run.failed}"
                 events.append(_encoded(error_body(ApiError(500, message))))
