@@ -320,3 +320,39 @@ def test_steps_reach_a_worker_on_another_gpu_equal_to_the_batch() -> None:
     assert worker.returncode == 0
     assert json.loads(out.strip()) == expected
     channel.close()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_ring_left_by_a_killed_rank_0_is_removed_by_the_next_one():
+    """A rank 0 killed before its workers attached leaves its ring file in /dev/shm (4 MiB of memory that is
+    never freed): the next ring removes files of processes that are gone, once they are a minute old."""
+    import gc
+
+    from devgraph.serve.tp.ring import RING_PREFIX, ring_directory
+
+    directory = ring_directory()
+    dead, alive = _dead_pid(), os.getppid()
+    stale = directory / f"{RING_PREFIX}{dead}-feedface0001"
+    young = directory / f"{RING_PREFIX}{dead}-feedface0002"
+    living = directory / f"{RING_PREFIX}{alive}-feedface0003"
+    for path in (stale, young, living):
+        path.write_bytes(b"x")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    os.utime(living, (old, old))
+    try:
+        writer = RingWriter(readers=1, slots=2, capacity=64)
+        assert not stale.exists() and young.exists() and living.exists()
+        own = writer.path
+        assert own.exists()
+        del writer  # never attached: its name goes with it
+        gc.collect()
+        assert not own.exists()
+    finally:
+        for path in (stale, young, living):
+            path.unlink(missing_ok=True)

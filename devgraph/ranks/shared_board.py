@@ -38,7 +38,10 @@ from typing import Any
 from devgraph.errors import ConfigError
 from devgraph.ranks.group import PeerLost, exchange, rank_of, rank_timeout_s
 
-__all__ = ["SharedBoard", "host_identity"]
+__all__ = ["BOARD_PREFIX", "SharedBoard", "host_identity", "remove_files_of_dead_processes"]
+
+#: The board files' names: ``devgraph-agree-<pid of rank 0>-<random>``.
+BOARD_PREFIX = "devgraph-agree-"
 
 _WORD = 8  # bytes of one int64
 #: Polls of the board before a waiting rank yields the processor (and Python's lock: an engine's other
@@ -62,6 +65,33 @@ def host_identity() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def remove_files_of_dead_processes(directory: Path, prefix: str, older_than_s: float = 60.0) -> int:
+    """Remove ``directory/<prefix><pid>-...`` files whose creating process is gone, older than
+    ``older_than_s`` (a file of a live process of another PID namespace is young: it is unlinked within
+    seconds of its readers attaching). Such files are what a process killed before its peers attached
+    leaves in ``/dev/shm``: memory, never freed until removed. Returns how many were removed."""
+    removed = 0
+    now = time.time()
+    for path in directory.glob(f"{prefix}*"):
+        pid_text = path.name[len(prefix) :].split("-", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        try:
+            if now - path.stat().st_mtime >= older_than_s:
+                path.unlink()
+                removed += 1
+        except OSError:  # removed meanwhile, or not ours to remove
+            continue
+    return removed
 
 
 def board_directory() -> Path:
@@ -106,7 +136,8 @@ class SharedBoard:
         try:
             if rank == 0:
                 try:
-                    path = board_directory() / f"devgraph-agree-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                    remove_files_of_dead_processes(board_directory(), BOARD_PREFIX)
+                    path = board_directory() / f"{BOARD_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
                     mapped = _map(path, size, create=True)
                 except OSError as exc:
                     problem = f"rank 0 could not create the board: {exc}"

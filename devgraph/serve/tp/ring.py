@@ -49,10 +49,13 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from devgraph.ranks.shared_board import remove_files_of_dead_processes
 
 __all__ = [
     "CHECK_S",
@@ -82,6 +85,8 @@ _SLOT_HEAD = 128
 _TIME_AT = 64
 _META_AT = 72
 _META = struct.Struct("<IIQQ")  # chunk bytes, more chunks follow (0/1), message bytes, sequence number
+#: The ring files' names: ``devgraph-tp-<pid of rank 0>-<random>``.
+RING_PREFIX = "devgraph-tp-"
 _MAX_READERS = 63  # one read byte each in the slot's first cache line, after the written byte
 
 
@@ -243,7 +248,9 @@ class RingWriter:
         if not 1 <= readers <= _MAX_READERS:
             raise ValueError(f"a step ring has 1..{_MAX_READERS} readers, got {readers}")
         capacity = -(-capacity // 64) * 64
-        path = ring_directory() / f"devgraph-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        # A rank 0 killed before its workers attached left its file behind (4 MiB of memory each).
+        remove_files_of_dead_processes(ring_directory(), RING_PREFIX)
+        path = ring_directory() / f"{RING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._mapped = _Mapped(path, _CONTROL_BYTES + slots * (_SLOT_HEAD + capacity))
         self._mapped.configure(slots, capacity, readers)
         self._mapped.control.writer_pid = os.getpid()
@@ -258,6 +265,8 @@ class RingWriter:
         self._awake = bytes(readers)
         self._bell: socket.socket | None = None
         self.spin_s = spin_seconds()
+        # A ring never attached (its writer dropped, or the process exiting) takes its name with it.
+        self._unlink_at_exit = weakref.finalize(self, Path.unlink, path, missing_ok=True)
 
     @property
     def sequence(self) -> int:
@@ -277,6 +286,7 @@ class RingWriter:
         """Remove the file's name (the mappings stay valid); a later crash then leaves nothing behind."""
         if not self._unlinked:
             self._unlinked = True
+            self._unlink_at_exit.detach()
             self.path.unlink(missing_ok=True)
 
     def write(self, data: torch.Tensor, check: Callable[[], None]) -> None:
