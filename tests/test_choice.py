@@ -359,3 +359,21 @@ def test_a_lazy_runners_later_keys_keep_their_choices_for_a_warm_start(tmp_path)
     }
     assert warm_timer.calls == 0
     assert path.read_bytes().split(b"\n", 2)[2] == payload  # the artifacts as written, the header grown
+
+
+def test_a_warm_start_whose_every_key_was_kept_plain_compiles_nothing(tmp_path):
+    cold = make(StandInTimer(compiled_s=1.5e-3, plain_s=1e-3), cache_dir=str(tmp_path))
+    cold.capture()
+    assert set(kept(cold).values()) == {"plain"}
+    warm_backend = create_backend(
+        "cpu", "decode", "full", options={"compiler": "eager", "cache_dir": str(tmp_path)}
+    )
+    warm_backend.replay_timer = StandInTimer(compiled_s=0.5e-3, plain_s=1e-3)  # type: ignore[attr-defined]
+    warm = GraphRunner(
+        forward, phase="decode", inputs=INPUTS, device="cpu", sizes=SIZES, backend=warm_backend
+    )
+    warm.capture()
+    assert set(kept(warm).values()) == {"plain"}
+    assert warm_backend.compiles == 0  # the warm-ups ran the plain forward too: dynamo never traced it
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(warm.run(x=x), forward(x))

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from devgraph.contract.context import capturing
+from devgraph.contract.inputs import StaticInput
 from devgraph.contract.keys import GraphKey
 from devgraph.contract.modes import Compiler, Strategy
 from devgraph.contract.platform import Availability, DeviceGraph, GraphPlatform
@@ -94,6 +95,18 @@ class FullGraphBackend(CompilingStrategy):
         if forwards is None or forwards.plain_forward is not forward or forwards.compiled is not compiled:
             forwards = self._forwards = PlainOrCompiled(forward, compiled)
         return forwards
+
+    def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
+        super().prepare(inputs, keys)
+        forwards, earlier = self._forwards, self.compile.earlier_choices
+        if forwards is None or not keys or not earlier or self.choice.keep_compiled:
+            return
+        if all(
+            isinstance(earlier.get(str(k)), dict) and earlier[str(k)].get("kept") == "plain" for k in keys
+        ):
+            # The process that wrote cache_dir kept the plain graph of every key: the warm-ups run the plain
+            # forward too, so nothing is compiled at all.
+            forwards.use_plain = True
 
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.compiler == Compiler.EAGER.value:
