@@ -87,8 +87,9 @@ LAYERS: tuple[tuple[Row, ...], ...] = (
         Row(
             ("devgraph.ranks.*",),
             "what a runner needs from `torch.distributed`: rank, the capture handshake (`handshake.py`), "
-            "the per-step key check, data-parallel key agreement (`dp.py`; on the device or the gloo "
-            "control group: `transport.py`), teardown",
+            "the per-step key check, data-parallel key agreement (`dp.py`; on a shared-memory board for "
+            "ranks of one host (`shared_board.py`), on the device or on the gloo control group: "
+            "`transport.py`), teardown",
         ),
     ),
     (
