@@ -105,7 +105,7 @@ def test_a_rank_that_cannot_map_the_board_leaves_every_rank_without_one(monkeypa
     _fake_group(monkeypatch, 0, [[None, (host, WIDTH)], [None, None], [None, "could not map it: denied"]])
     board, why = SharedBoard.build(object(), WIDTH)
     assert board is None and why == "rank 1: could not map it: denied"
-    assert not list(board_module.board_directory().glob(f"devgraph-agree-{os.getpid()}-*"))  # unlinked
+    assert not list(board_module.shm_directory().glob(f"devgraph-agree-{os.getpid()}-*"))  # unlinked
 
 
 def test_shm_asked_across_hosts_is_a_config_error_and_auto_takes_a_collective(monkeypatch):
@@ -136,7 +136,7 @@ def test_a_rank_lost_while_the_board_is_built_leaves_no_file_behind(monkeypatch)
     with pytest.raises(PeerLost, match="rank 1 died"):
         SharedBoard.build(object(), WIDTH)
     assert len(calls) == 2
-    assert not list(board_module.board_directory().glob(f"devgraph-agree-{os.getpid()}-*"))
+    assert not list(board_module.shm_directory().glob(f"devgraph-agree-{os.getpid()}-*"))
 
 
 def test_ranks_whose_messages_differ_in_width_are_told_so_on_every_rank(monkeypatch):

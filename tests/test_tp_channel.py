@@ -333,9 +333,10 @@ def test_a_ring_left_by_a_killed_rank_0_is_removed_by_the_next_one():
     never freed): the next ring removes files of processes that are gone, once they are a minute old."""
     import gc
 
-    from devgraph.serve.tp.ring import RING_PREFIX, ring_directory
+    from devgraph.ranks.shared_board import shm_directory
+    from devgraph.serve.tp.ring import RING_PREFIX
 
-    directory = ring_directory()
+    directory = shm_directory()
     dead, alive = _dead_pid(), os.getppid()
     stale = directory / f"{RING_PREFIX}{dead}-feedface0001"
     young = directory / f"{RING_PREFIX}{dead}-feedface0002"

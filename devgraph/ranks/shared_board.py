@@ -38,7 +38,14 @@ from typing import Any
 from devgraph.errors import ConfigError
 from devgraph.ranks.group import PeerLost, exchange, rank_of, rank_timeout_s
 
-__all__ = ["BOARD_PREFIX", "SharedBoard", "host_identity", "remove_files_of_dead_processes"]
+__all__ = [
+    "BOARD_PREFIX",
+    "SharedBoard",
+    "host_identity",
+    "memory_barrier",
+    "remove_files_of_dead_processes",
+    "shm_directory",
+]
 
 #: The board files' names: ``devgraph-agree-<pid of rank 0>-<random>``.
 BOARD_PREFIX = "devgraph-agree-"
@@ -50,7 +57,7 @@ _SPINS = 256
 _FENCE = threading.Lock()
 
 
-def _fence() -> None:
+def memory_barrier() -> None:
     """A full memory barrier (acquiring and releasing a lock is an atomic read-modify-write with fences):
     the values a rank wrote are visible before the step number that announces them."""
     _FENCE.acquire()
@@ -94,8 +101,9 @@ def remove_files_of_dead_processes(directory: Path, prefix: str, older_than_s: f
     return removed
 
 
-def board_directory() -> Path:
-    """``/dev/shm`` where writable (memory), else the temporary directory."""
+def shm_directory() -> Path:
+    """Where files shared between the processes of one host live (this board, the tensor-parallel step
+    ring): ``/dev/shm`` where writable (memory, never disk), else the temporary directory."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
@@ -136,8 +144,8 @@ class SharedBoard:
         try:
             if rank == 0:
                 try:
-                    remove_files_of_dead_processes(board_directory(), BOARD_PREFIX)
-                    path = board_directory() / f"{BOARD_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+                    remove_files_of_dead_processes(shm_directory(), BOARD_PREFIX)
+                    path = shm_directory() / f"{BOARD_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
                     mapped = _map(path, size, create=True)
                 except OSError as exc:
                     problem = f"rank 0 could not create the board: {exc}"
@@ -173,7 +181,7 @@ class SharedBoard:
         step, parity, words, stride = self._step, self._step & 1, self._words, self._stride
         mine = (self.rank * 2 + parity) * stride
         words[mine : mine + width] = memoryview(array.array("q", values))
-        _fence()
+        memory_barrier()
         words[mine + width] = step
         result = list(values)
         for peer in range(self.ranks):
@@ -182,7 +190,7 @@ class SharedBoard:
             slot = (peer * 2 + parity) * stride
             if words[slot + width] != step:
                 self._wait(slot + width, step, peer)
-            _fence()
+            memory_barrier()
             for i, value in enumerate(words[slot : slot + width]):
                 if value > result[i]:
                     result[i] = value

@@ -45,7 +45,6 @@ import os
 import select
 import socket
 import struct
-import tempfile
 import threading
 import time
 import uuid
@@ -55,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from devgraph.ranks.shared_board import remove_files_of_dead_processes
+from devgraph.ranks.shared_board import memory_barrier, remove_files_of_dead_processes, shm_directory
 
 __all__ = [
     "CHECK_S",
@@ -64,7 +63,6 @@ __all__ = [
     "SPIN_S",
     "RingReader",
     "RingWriter",
-    "ring_directory",
     "spin_seconds",
 ]
 
@@ -100,21 +98,6 @@ class _Control(ctypes.Structure):
         ("heartbeat", ctypes.c_double),
         ("closed", ctypes.c_uint8),
     ]
-
-
-_BARRIER = threading.Lock()
-
-
-def _barrier() -> None:
-    """A full memory barrier: acquiring and releasing a lock is an atomic read-modify-write plus fences."""
-    _BARRIER.acquire()
-    _BARRIER.release()
-
-
-def ring_directory() -> Path:
-    """Where ring files live: ``/dev/shm`` (memory, never disk), else the temporary directory."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
 class _Mapped:
@@ -249,8 +232,8 @@ class RingWriter:
             raise ValueError(f"a step ring has 1..{_MAX_READERS} readers, got {readers}")
         capacity = -(-capacity // 64) * 64
         # A rank 0 killed before its workers attached left its file behind (4 MiB of memory each).
-        remove_files_of_dead_processes(ring_directory(), RING_PREFIX)
-        path = ring_directory() / f"{RING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        remove_files_of_dead_processes(shm_directory(), RING_PREFIX)
+        path = shm_directory() / f"{RING_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._mapped = _Mapped(path, _CONTROL_BYTES + slots * (_SLOT_HEAD + capacity))
         self._mapped.configure(slots, capacity, readers)
         self._mapped.control.writer_pid = os.getpid()
@@ -303,15 +286,15 @@ class RingWriter:
                     functools.partial(_free, view, flags, read, self._done), self._last + self.spin_s, check
                 )
                 view[flags] = 0
-                _barrier()
+                memory_barrier()
                 view[read] = bytes(self.readers)
                 ctypes.memmove(mapped.base + flags + _SLOT_HEAD, source + done, count)
                 more = int(done + count < total)
                 _META.pack_into(view, flags + _META_AT, count, more, total, self._next)
                 mapped.publish_time(index).value = time.monotonic()
-                _barrier()
+                memory_barrier()
                 view[flags] = 1
-                _barrier()  # the written byte before the parked bytes: no reader parks unseen
+                memory_barrier()  # the written byte before the parked bytes: no reader parks unseen
                 if view[_PARKED_AT : _PARKED_AT + self.readers] != self._awake:
                     self._ring_parked()
                 self._next += 1
@@ -403,12 +386,12 @@ class RingReader:
             mine = flags + 1 + self.reader
             ready = functools.partial(_posted, view, flags, mine)
             _wait(ready, self._last + self.spin_s, check, self._park if self._bell is not None else None)
-            _barrier()
+            memory_barrier()
             count, more, total, _ = _META.unpack_from(view, flags + _META_AT)
             if out is None:
                 out = allocate(total)
             ctypes.memmove(int(out.data_ptr()) + done, mapped.base + flags + _SLOT_HEAD, count)
-            _barrier()
+            memory_barrier()
             view[mine] = 1
             self._next += 1
             done += count
@@ -421,7 +404,8 @@ class RingReader:
         assert self._bell is not None
         view, parked = self._mapped.view, _PARKED_AT + self.reader
         view[parked] = 1
-        _barrier()  # the parked byte before the last look: the writer sees it, or this look sees the data
+        # The parked byte before the last look: the writer sees it, or this look sees the data.
+        memory_barrier()
         if not ready():
             self._bell.wait(CHECK_S)
         view[parked] = 0
