@@ -245,6 +245,21 @@ def keep_triton_kernels(cache_dir: str) -> str:
     return path
 
 
+def _split(blob: bytes) -> tuple[dict[str, Any], bytes] | None:
+    """A file's header and payload (``_MAGIC``, one line of JSON, the payload), or ``None`` where the
+    file is not one."""
+    if not blob.startswith(_MAGIC):
+        return None
+    header_end = blob.find(b"\n", len(_MAGIC))
+    if header_end < 0:
+        return None
+    try:
+        header = json.loads(blob[len(_MAGIC) : header_end])
+    except ValueError:
+        return None
+    return (header, blob[header_end + 1 :]) if isinstance(header, dict) else None
+
+
 class ArtifactCache:
     """One file of compiled artifacts for one runner's forward in ``directory``."""
 
@@ -298,17 +313,11 @@ class ArtifactCache:
         return self.status
 
     def _load_blob(self, blob: bytes) -> str:
-        if not blob.startswith(_MAGIC):
+        parts = _split(blob)
+        if parts is None:
             return "corrupt"
-        header_end = blob.find(b"\n", len(_MAGIC))
-        if header_end < 0:
-            return "corrupt"
-        try:
-            header = json.loads(blob[len(_MAGIC) : header_end])
-        except ValueError:
-            return "corrupt"
-        payload = blob[header_end + 1 :]
-        if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        header, payload = parts
+        if header.get("format") != _FORMAT:
             return "corrupt"
         if header.get("key") != self._key:
             return "stale"
@@ -364,7 +373,7 @@ class ArtifactCache:
             "fingerprint": self.fingerprint,
             "choices": choices or {},
         }
-        self._write(_MAGIC + json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
+        self._write(header, payload)
         self.status = "saved" if self.status != "hit" else "hit"
         self.choices_in_file = dict(choices or {})
         if precompiled:
@@ -379,27 +388,23 @@ class ArtifactCache:
         if merged == self.choices_in_file:
             return
         try:
-            blob = self.path.read_bytes()
+            parts = _split(self.path.read_bytes())
         except OSError:
             return
-        header_end = blob.find(b"\n", len(_MAGIC))
-        try:
-            header = json.loads(blob[len(_MAGIC) : header_end]) if blob.startswith(_MAGIC) else None
-        except ValueError:
-            header = None
-        if header_end < 0 or not isinstance(header, dict) or header.get("key") != self._key:
+        if parts is None or parts[0].get("key") != self._key:
             return  # rewritten by another runner sharing cache_dir, or damaged: leave it
+        header, payload = parts
         header["choices"] = merged
-        self._write(_MAGIC + json.dumps(header, sort_keys=True, default=str).encode() + blob[header_end:])
+        self._write(header, payload)
         self.choices_in_file = merged
 
-    def _write(self, blob: bytes) -> None:
-        """``blob`` as the file, atomically (a reader never sees half a file)."""
+    def _write(self, header: dict[str, Any], payload: bytes) -> None:
+        """The file of ``header`` and ``payload``, atomically (a reader never sees half a file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".dgcache-")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(blob)
+                fh.write(_MAGIC + json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
             os.replace(tmp, self.path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
