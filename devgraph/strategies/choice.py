@@ -241,16 +241,24 @@ class CompileChoice:
                 }
         return kept
 
-    def cached(self, key: GraphKey, earlier: dict[str, dict[str, Any]]) -> KeyChoice | None:
-        """The choice an earlier process made for ``key`` (``earlier``: :meth:`to_keep` as it loaded),
-        recorded as this capture's; ``None`` when there is none or ``keep_compiled`` decides."""
+    def earlier_kept(self, key: GraphKey, earlier: dict[str, dict[str, Any]]) -> Kept | None:
+        """The graph an earlier process kept for ``key`` (``earlier``: :meth:`to_keep` as it loaded);
+        ``None`` when there is none readable or ``keep_compiled`` decides."""
         entry = earlier.get(str(key))
         if self.keep_compiled or not isinstance(entry, dict):
             return None
         try:
-            kept = Kept(entry.get("kept"))
+            return Kept(entry.get("kept"))
         except ValueError:
             return None
+
+    def cached(self, key: GraphKey, earlier: dict[str, dict[str, Any]]) -> KeyChoice | None:
+        """The choice an earlier process made for ``key`` (see :meth:`earlier_kept`), recorded as this
+        capture's; ``None`` when there is none or ``keep_compiled`` decides."""
+        kept = self.earlier_kept(key, earlier)
+        if kept is None:
+            return None
+        entry = earlier[str(key)]
         compiled_s, plain_s = (_seconds(entry.get(name)) for name in ("compiled_s", "plain_s"))
         choice = KeyChoice(key, kept, "cached", compiled_s, plain_s)
         self.choices[key] = choice

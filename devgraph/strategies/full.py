@@ -99,11 +99,9 @@ class FullGraphBackend(CompilingStrategy):
     def prepare(self, inputs: Mapping[str, StaticInput], keys: Sequence[GraphKey] = ()) -> None:
         super().prepare(inputs, keys)
         forwards, earlier = self._forwards, self.compile.earlier_choices
-        if forwards is None or not keys or not earlier or self.choice.keep_compiled:
+        if forwards is None or not keys or not earlier:
             return
-        if all(
-            isinstance(earlier.get(str(k)), dict) and earlier[str(k)].get("kept") == "plain" for k in keys
-        ):
+        if all(self.choice.earlier_kept(k, earlier) is Kept.PLAIN for k in keys):
             # The process that wrote cache_dir kept the plain graph of every key: the warm-ups run the plain
             # forward too, so nothing is compiled at all.
             forwards.use_plain = True
