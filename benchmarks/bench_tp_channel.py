@@ -11,9 +11,12 @@ steps as it does while the GPU runs one), through
 
 - ``shm_spin`` and ``shm_park``: :func:`devgraph.serve.engine.wire.encode_step` +
   :class:`devgraph.serve.tp.channel.StepChannel`, the worker's
-  :class:`~devgraph.serve.tp.channel.WorkerChannel` + ``inputs(device)`` + ``context()``; the worker
+  :class:`~devgraph.serve.tp.channel.WorkerChannel` + ``inputs`` + ``context()``, every message in reused
+  memory on both ranks (:class:`~devgraph.serve.engine.message_memory.MessageMemory`); the worker
   polling between steps (the default: it spins for half a second after each message), or parked on its
   doorbell at once (``DEVGRAPH_TP_SPIN_S=0``);
+- ``shm_spin_fresh``: ``shm_spin`` with a new pinned buffer, device copy and views every step (the
+  engine's way before the reused memory);
 - ``gloo``: the previous channel: ``broadcast_object_list`` of the inputs and the context (pickled), after
   a ``.cpu()`` of each input (the engine used to build them on the device), ``.to(device)`` of each on the
   worker.
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from devgraph.reference.inputs import StepContext
+from devgraph.serve.engine.message_memory import MessageMemory
 from devgraph.serve.engine.wire import STOP, encode_step
 from devgraph.serve.tp.channel import StepChannel, WorkerChannel
 
@@ -52,8 +56,10 @@ BLOCK, WIDTH = 16, 128  # 16-token blocks, contexts up to 2048 tokens
 CASES = ("decode_1", "decode_256", "prefill_2048")
 CHECK_EVERY = 50
 #: The worker's wait: polling for half a second after each step (the default), or parked on its doorbell
-#: at once (DEVGRAPH_TP_SPIN_S=0: what a host with more runnable threads than cores wants).
-SHM_MODES = {"shm_spin": 0.5, "shm_park": 0.0}
+#: at once (DEVGRAPH_TP_SPIN_S=0: what a host with more runnable threads than cores wants); and the
+#: message memory: reused buffers (MessageMemory, what the engine and the workers use) or a new pinned
+#: buffer, a new device copy and new views every step (``shm_spin_fresh``: how it was done before).
+SHM_MODES = {"shm_spin": (0.5, True), "shm_park": (0.0, True), "shm_spin_fresh": (0.5, False)}
 
 
 def make_batch(case: str, seed: int = 0) -> tuple[str, dict[str, torch.Tensor], StepContext]:
@@ -147,12 +153,17 @@ def worker(rank: int, port: int, ring: str, device_name: str, args: dict[str, An
     out: dict[str, Any] = {}
     batches = {case: make_batch(case) for case in CASES}
     for case in CASES:
-        for mode, spin in SHM_MODES.items():
+        for mode, (spin, reuse) in SHM_MODES.items():
             channel.ring.spin_s = spin
+            memory = MessageMemory(device) if reuse else None
             latencies, checked, equal = [], 0, True
             for i in range(args["warmup"] + args["steps"]):
-                message = channel.receive()
-                inputs = message.inputs(device)
+                if memory is not None:
+                    message = channel.receive(memory.host_buffer)
+                    inputs = memory.inputs(message)
+                else:
+                    message = channel.receive()
+                    inputs = message.inputs(device)
                 context = message.context()
                 _sync(device)
                 arrived = time.monotonic_ns()
@@ -212,15 +223,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         columns = _columns(step_context)
         shm: dict[str, Any] = {}
         size = 0
-        for mode in SHM_MODES:
+        for mode, (_, reuse) in SHM_MODES.items():
             timings: dict[str, list[int]] = {"encode": [], "send": [], "to_device": [], "total": []}
+            memory = MessageMemory(device) if reuse else None
+            allocate = memory.host_buffer if memory is not None else None
             for i in range(args.warmup + args.steps):
                 start = time.monotonic_ns()
-                message = encode_step(kind, inputs, step_context, step=start, columns=columns, pin=pin)
+                message = encode_step(
+                    kind, inputs, step_context, step=start, columns=columns, pin=pin, allocate=allocate
+                )
                 encoded = time.monotonic_ns()
                 channel.send(message)
                 sent = time.monotonic_ns()
-                message.inputs(device)  # rank 0's own copy (non-blocking on a GPU)
+                # rank 0's own copy (non-blocking on a GPU)
+                memory.inputs(message) if memory is not None else message.inputs(device)
                 done = time.monotonic_ns()
                 size = int(message.buffer.numel())
                 if i >= args.warmup:

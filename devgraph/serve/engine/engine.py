@@ -59,6 +59,7 @@ from devgraph.serve.engine.config import EngineConfig
 from devgraph.serve.engine.device_step import DeviceStep, StepResult
 from devgraph.serve.engine.grammar import GrammarFailed
 from devgraph.serve.engine.limits import cap_phase_sizes
+from devgraph.serve.engine.message_memory import MessageMemory
 from devgraph.serve.engine.request import (
     FinishReason,
     Request,
@@ -188,7 +189,8 @@ class Engine:
         self.device_step = DeviceStep(
             model, self.decode_runner, self.prefill_runner, slots=running + 1, group=group
         )
-        self._pin = model.device.type != "cpu"  # the step's message crosses from pinned memory
+        #: Where each step's message is encoded and the device buffer it crosses to, reused step after step.
+        self.message_memory = MessageMemory(model.device)
         self._step_numbers = itertools.count()
         #: The step issued and not read yet (the overlapped scheduler); None between serial steps.
         self._in_flight: IssuedStep | None = None
@@ -546,7 +548,12 @@ class Engine:
             arrays["pending_slots"] = batch.pending_slots
         step = next(self._step_numbers)
         message = encode_step(
-            forward.kind, arrays, batch.context, step=step, columns=self._columns(batch), pin=self._pin
+            forward.kind,
+            arrays,
+            batch.context,
+            step=step,
+            columns=self._columns(batch),
+            allocate=self.message_memory.host_buffer,
         )
         return message, plan
 
@@ -562,7 +569,7 @@ class Engine:
         here is a launch on a GPU, issued while the device runs the previous step: parts nobody asked
         for this step (copy-on-write, log probabilities, sampling's draws, a gather of the sampled rows)
         issue nothing."""
-        on_device = message.inputs(self.model.device)
+        on_device = self.message_memory.inputs(message)
         result = self.launch(forward.kind, message, on_device, batch.context)
         logits, hidden = result if isinstance(result, tuple) else (result, None)
         back: list[torch.Tensor] = []

@@ -24,7 +24,7 @@ import ctypes
 import dataclasses
 import functools
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,7 +32,15 @@ import torch
 
 from devgraph.reference.inputs import StepContext
 
-__all__ = ["STOP", "TRIM_MIN_BYTES", "StepMessage", "decode_step", "encode_step", "stop_message"]
+__all__ = [
+    "STOP",
+    "TRIM_MIN_BYTES",
+    "StepMessage",
+    "decode_step",
+    "encode_step",
+    "input_views",
+    "stop_message",
+]
 
 STOP = "stop"
 #: Columns of a 2-D input are left off the wire only when that saves this many bytes or more.
@@ -107,20 +115,10 @@ class StepMessage:
         region = self.buffer
         if device.type != "cpu":
             region = region.to(device, non_blocking=region.is_pinned())
-        typed: dict[torch.dtype, torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
-        for array in self.arrays:
-            if array.role != _INPUT:
-                continue
-            whole = typed.get(array.dtype)
-            if whole is None:
-                whole = typed[array.dtype] = region.view(array.dtype)
-            first = whole.storage_offset() + array.offset // array.dtype.itemsize
-            tensor = whole.as_strided(array.shape, array.strides, first)
-            if array.shape and array.shape[-1] < array.full:
-                tensor = torch.nn.functional.pad(tensor, (0, array.full - array.shape[-1]))
-            out[array.name] = tensor
-        return out
+        views, narrow = input_views(self.arrays, region)
+        for name, full in narrow:
+            views[name] = torch.nn.functional.pad(views[name], (0, full - views[name].shape[-1]))
+        return views
 
     def context(self) -> StepContext:
         """The host-side lengths the step carries (``seq_lens``, ``cu_seqlens_q``)."""
@@ -132,6 +130,28 @@ class StepMessage:
         return StepContext(**values)
 
 
+def input_views(
+    arrays: tuple[_Array, ...], region: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], tuple[tuple[str, int], ...]]:
+    """Each input array of a message as a view of ``region`` (the message's bytes, wherever they are), and
+    the inputs sent narrower than they are with their full width (the caller pads those; the pad is a new
+    tensor, made per step)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views: dict[str, torch.Tensor] = {}
+    narrow: list[tuple[str, int]] = []
+    for array in arrays:
+        if array.role != _INPUT:
+            continue
+        whole = typed.get(array.dtype)
+        if whole is None:
+            whole = typed[array.dtype] = region.view(array.dtype)
+        first = whole.storage_offset() + array.offset // array.dtype.itemsize
+        views[array.name] = whole.as_strided(array.shape, array.strides, first)
+        if array.shape and array.shape[-1] < array.full:
+            narrow.append((array.name, array.full))
+    return views, tuple(narrow)
+
+
 def encode_step(
     kind: str,
     inputs: Mapping[str, torch.Tensor],
@@ -140,11 +160,14 @@ def encode_step(
     step: int = 0,
     columns: Mapping[str, int] | None = None,
     pin: bool = False,
+    allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> StepMessage:
     """``inputs`` (CPU tensors for speed; device tensors are copied to the host first) and ``context`` as
     one buffer. ``columns``: name -> how many leading columns of that 2-D input the step reads; the rest
     (which must be zeros) stay off the wire when that saves :data:`TRIM_MIN_BYTES` or more (a strided copy
-    costs more than copying a few kilobytes whole). ``pin``: a pinned buffer (the step goes to a GPU)."""
+    costs more than copying a few kilobytes whole). ``pin``: a pinned buffer (the step goes to a GPU).
+    ``allocate``: where the buffer comes from (reused ones of a
+    :class:`~devgraph.serve.engine.message_memory.MessageMemory`); a new one when absent."""
     values: list[Any] = []
     signature: list[tuple[Any, ...]] = []
     for name, tensor in inputs.items():
@@ -167,7 +190,8 @@ def encode_step(
                 signature.append((name, None, (len(value),), len(value)))
                 values.append(value)
     header, arrays, size = _plan(kind, tuple(signature))
-    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    pinned = functools.partial(torch.empty, dtype=torch.uint8, pin_memory=pin)
+    buffer = (allocate or pinned)(size)
     base = int(buffer.data_ptr())
     ctypes.memmove(base, header, len(header))
     view = _bytes_view(buffer)

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -133,9 +134,11 @@ class WorkerChannel:
         self._parent = os.getppid() if os.getppid() == self.ring.writer_pid else None
         self.pin = pin
 
-    def receive(self) -> StepMessage:
-        """The next message (:data:`~devgraph.serve.engine.wire.STOP` as its kind ends the worker)."""
-        buffer = self.ring.read(self._allocate, self._check)
+    def receive(self, allocate: Callable[[int], torch.Tensor] | None = None) -> StepMessage:
+        """The next message (:data:`~devgraph.serve.engine.wire.STOP` as its kind ends the worker), in a
+        buffer from ``allocate`` (reused ones of a
+        :class:`~devgraph.serve.engine.message_memory.MessageMemory`) or a new one."""
+        buffer = self.ring.read(allocate or self._allocate, self._check)
         return decode_step(buffer)
 
     def _allocate(self, size: int) -> torch.Tensor:

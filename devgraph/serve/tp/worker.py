@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.message_memory import MessageMemory
 from devgraph.serve.engine.wire import STOP
 from devgraph.serve.tp.channel import RankLost, WorkerChannel
 
@@ -30,17 +31,17 @@ logger = logging.getLogger(__name__)
 
 def serve_steps(engine: Engine, channel: WorkerChannel) -> int:
     """Run rank 0's steps until the stop (0) or until rank 0 is gone (1)."""
-    device = engine.model.device
+    memory = MessageMemory(engine.model.device)
     while True:
         try:
-            message = channel.receive()
+            message = channel.receive(memory.host_buffer)
         except RankLost as exc:
             logger.error("rank 0 is gone: %s; this worker exits", exc)
             return 1
         if message.kind == STOP:
             return 0
         try:
-            engine.device_step.forward(message.kind, message.inputs(device), message.context())
+            engine.device_step.forward(message.kind, memory.inputs(message), message.context())
         except Exception:
             logger.exception("a %s step failed on this rank; this worker exits", message.kind)
             return 1
