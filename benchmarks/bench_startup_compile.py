@@ -86,6 +86,57 @@ def _count_traces() -> list[int]:
     return traced
 
 
+def _time_triton_compiles() -> list[tuple[str, float, float]]:
+    """Time every Triton JIT compile in this process (a kernel built, or loaded from Triton's cache, on
+    its first launch with a new specialisation): (kernel, start, seconds), start on the perf counter.
+    Inductor's own kernels are built by its compile workers and show as compile time instead."""
+    compiles: list[tuple[str, float, float]] = []
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return compiles
+    original = getattr(JITFunction, "_do_compile", None)
+    if original is None:  # an older Triton: not timed
+        return compiles
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            name = getattr(getattr(self, "fn", None), "__name__", "?")
+            compiles.append((name, start, time.perf_counter() - start))
+
+    JITFunction._do_compile = timed
+    return compiles
+
+
+def _summarise_compiles(compiles: list[tuple[str, float, float]], start: float, end: float) -> dict[str, Any]:
+    """Triton JIT compiles during capture: how many, their seconds, per kernel."""
+    during = [(name, seconds) for name, at, seconds in compiles if start <= at <= end]
+    kernels: dict[str, list[float]] = {}
+    for name, seconds in during:
+        entry = kernels.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] = round(entry[1] + seconds, 3)
+    return {
+        "during_capture": len(during),
+        "seconds_during_capture": round(sum(s for _, s in during), 3),
+        "before_capture": sum(1 for _, at, _ in compiles if at < start),
+        "by_kernel": kernels,
+    }
+
+
+def _profile_lines(profile: Any, top: int = 40) -> list[str]:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(top)
+    return [line.rstrip() for line in text.getvalue().splitlines() if line.strip()][-top - 2 :]
+
+
 def devgraph_child(args: argparse.Namespace) -> dict[str, Any]:
     """One devgraph process: build, capture (timed, with the breakdown), run the fixed batches."""
     if args.traced:  # devgraph's earlier warm start: the traced path with torch's cache artifacts only
@@ -93,6 +144,7 @@ def devgraph_child(args: argparse.Namespace) -> dict[str, Any]:
 
         precompile.precompile_support = lambda forward: "switched off by the benchmark (--traced)"
     traced = _count_traces()
+    triton_compiles = _time_triton_compiles()
     t0 = time.perf_counter()
     dev, model, inputs, sizes = _build(args)
     dev.sync()
@@ -100,10 +152,19 @@ def devgraph_child(args: argparse.Namespace) -> dict[str, Any]:
     options = {"compiler": "inductor", "cache_dir": args.cache_dir, "regions": args.regions}
     backend = create_backend(model.device, "decode", "full", options=options)
     runner = decode_runner(model, backend=backend, sizes=sizes, progress=False)
+    profile = None
+    if args.profile:
+        import cProfile
+
+        profile = cProfile.Profile()
     t1 = time.perf_counter()
+    if profile is not None:
+        profile.enable()
     runner.capture()
     dev.sync()
     warmup_s = time.perf_counter() - t1
+    if profile is not None:
+        profile.disable()
     first_case = next(iter(inputs))
     runner.run(**inputs[first_case])
     dev.sync()
@@ -135,7 +196,10 @@ def devgraph_child(args: argparse.Namespace) -> dict[str, Any]:
         "precompile_skipped": info.get("precompile_skipped"),
         "compile": info.get("compile"),
         "vs_eager": vs_eager,
+        "triton_jit_compiles": _summarise_compiles(triton_compiles, t1, t1 + warmup_s),
     }
+    if profile is not None:
+        result["profile_of_capture"] = _profile_lines(profile)
     runner.close()
     return result
 
@@ -224,6 +288,7 @@ def parent(args: argparse.Namespace) -> int:
             )
             command += ["--cache-dir", str(root / family)]
             command += ["--sizes", ",".join(map(str, args.sizes))] + (["--smoke"] if args.smoke else [])
+            command += ["--profile"] if args.profile else []
             if label == "cold_traced" and budget.left() < 2 * 60:
                 data["errors"].append("time budget: the traced path's cold and warm processes were not run")
                 break
@@ -304,6 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--children",
         help=f"comma-separated processes, in the order given (default: {','.join(CHILDREN)})",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="children profile their capture() (cProfile, top 40 in the JSON)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)

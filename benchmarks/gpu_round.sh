@@ -76,6 +76,8 @@ run_step() {  # run_step NAME: one step, its limit, its command
     kill_test) limit=100 cmd="pytest_json kill-test 90 -m multi_gpu tests/test_serve_tp.py::test_a_worker_killed_on_two_gpus_fails_the_stream_and_the_server_exits" ;;
     serve_tp) limit=260 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp.json --time-budget 240" ;;
     serve_overlap) limit=120 cmd="$PY benchmarks/bench_serve_overlap.py --gpu --out $R" ;;
+    startup_profile) limit=130 cmd="$PY benchmarks/bench_startup_compile.py --out $R/startup-profile.json --children cold_regions,warm_regions --profile --time-budget 120" ;;
+    memory_tests) limit=150 cmd="pytest_json memory-tests 120 -m cuda tests/test_message_memory.py tests/test_overlap.py tests/test_tp_channel.py tests/test_engine_step_ops.py" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)

@@ -233,7 +233,9 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=_pow2(splits, 2),
+            # One width for every split count (masked past ``splits``): one kernel built at start-up,
+            # not one per batch size's split count (each build is a Triton compile on a cold start).
+            BLOCK_S=_pow2(max(splits, _MAX_SPLITS), 2),
             num_warps=4,
         )
     return out
