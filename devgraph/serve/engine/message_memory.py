@@ -99,9 +99,9 @@ class MessageMemory:
             index = (ring.next + turn) % count
             if ring.free(index):
                 return self._lend(ring, index, size)
-        self.allocated += 1
-        buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
         if count < MAX_HOST_BUFFERS:
+            self.allocated += 1
+            buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
             ring.buffers.append(buffer)
             ring.events.append(torch.Event(device=self.device) if self.pinned else None)
             ring.lent.append(False)
@@ -109,8 +109,9 @@ class MessageMemory:
             self._owner[int(buffer.data_ptr())] = (ring, count)
             return self._lend(ring, count, size)
         copying = [i for i in range(count) if ring.copying[i]]
-        if not copying:  # every buffer lent and none sent: a caller keeps them; this one is not reused
-            return buffer[:size]
+        if not copying:  # every buffer lent and none sent: a caller keeps them; this one is not pooled
+            self.allocated += 1
+            return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         index = min(copying, key=lambda i: (i - ring.next) % count)  # the oldest copy queued
         event = ring.events[index]
         if event is not None:
