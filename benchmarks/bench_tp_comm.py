@@ -22,6 +22,7 @@ JSON as an error string; the parent stops the ranks at ``--deadline`` seconds (d
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform as host_platform
@@ -219,6 +220,62 @@ def micro(r: Rank, device: torch.device) -> None:
         r.found["symm_final"] = repr(comm)
 
 
+def _kernel_table(step: Callable[[], Any], steps: int, top: int = 14) -> dict[str, float]:
+    """Device microseconds per step by kernel name (torch.profiler over ``steps`` steps), the ``top``
+    kernels and the rest summed; "total" is every kernel's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        spent = getattr(event, "self_device_time_total", None)
+        if spent is None:
+            spent = getattr(event, "self_cuda_time_total", 0.0)
+        if spent:
+            times[event.key[:90]] = times.get(event.key[:90], 0.0) + float(spent) / steps
+    ranked = sorted(times.items(), key=lambda item: -item[1])
+    table = {name: round(us, 2) for name, us in ranked[:top]}
+    table["(the rest)"] = round(sum(us for _, us in ranked[top:]), 2)
+    table["total"] = round(sum(times.values()), 2)
+    return table
+
+
+def _one_gpu(config: Any, device: torch.device, steps: int) -> dict[str, Any]:
+    """The same layers on this GPU alone (the plain reference model): its decode step at batch 1, timed
+    and by kernel, beside the tensor-parallel one."""
+    from devgraph.reference import ReferenceModel, decode_runner, make_decode_batch
+
+    model = ReferenceModel(config, device=device, seed=0)
+    model.randomize_cache(seed=0)
+    runner = decode_runner(model, mode="full", sizes=[1], progress=False)
+    try:
+        runner.capture()
+        batch = make_decode_batch(model, 1, seq_lens=256, seed=1)
+        with torch.no_grad():
+            for _ in range(3):
+                runner.run(**batch)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                runner.run(**batch)
+            end.record()
+            end.synchronize()
+        return {
+            "batch1_ms_per_step": start.elapsed_time(end) / steps,
+            "batch1_kernels_us_per_step": _kernel_table(functools.partial(runner.run, **batch), steps),
+        }
+    finally:
+        runner.close()
+        del model, runner
+        torch.cuda.empty_cache()
+
+
 def decode_model(r: Rank, device: torch.device) -> None:
     """A few layers at 8B widths: the decode ``full`` graph with comm="torch" and comm="symm"."""
     import torch.distributed as dist
@@ -275,6 +332,11 @@ def decode_model(r: Rank, device: torch.device) -> None:
                     end.record()
                     end.synchronize()
                 row[f"batch{n}_ms_per_step"] = start.elapsed_time(end) / args.steps
+            if args.profile_kernels:
+                batch = make_decode_batch(model, 1, seq_lens=256, seed=1)
+                row["batch1_kernels_us_per_step"] = _kernel_table(
+                    functools.partial(runner.run, **batch), args.steps
+                )
             out[comm] = row
         except Exception as exc:  # noqa: BLE001 - recorded; the ranks may be out of step now
             out[comm] = {"error": _err(exc), "traceback": traceback.format_exc()[-2000:]}
@@ -288,6 +350,8 @@ def decode_model(r: Rank, device: torch.device) -> None:
             torch.cuda.empty_cache()
         r.found["decode_model"] = out
         r.save()
+    if args.profile_kernels and r.rank == 0 and _go(r, device, args.deadline * 0.8):
+        out["one_gpu"] = _one_gpu(config, device, args.steps)
     if "torch" in logits and "symm" in logits:
         out["max_abs_diff_symm_vs_torch"] = {
             str(n): float((logits["symm"][n] - logits["torch"][n]).abs().max()) for n in batches
@@ -346,7 +410,8 @@ def rank_main(rank: int, world: int, port: int, work: str, args: argparse.Namesp
             device = torch.device("cuda", rank)
             dist.init_process_group("nccl", timeout=timedelta(seconds=40), device_id=device)
             r.found["device"] = torch.cuda.get_device_name(device)
-            micro(r, device)
+            if not args.no_micro:
+                micro(r, device)
             if args.layers > 0:
                 try:
                     decode_model(r, device)
@@ -443,6 +508,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers at 8B widths (0: skip)")
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per batch")
+    parser.add_argument(
+        "--profile-kernels",
+        action="store_true",
+        help="the decode step's kernels at batch 1 by name (torch.profiler), and the same layers on one GPU",
+    )
+    parser.add_argument("--no-micro", action="store_true", help="skip the all-reduce sizes; the layers only")
     parser.add_argument("--one-shot-max", type=int, default=None, help="bytes (default: the module's)")
     parser.add_argument("--deadline", type=float, default=55.0, help="seconds; the ranks are stopped then")
     args = parser.parse_args()
