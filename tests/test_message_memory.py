@@ -152,3 +152,30 @@ def test_on_a_busy_gpu_no_host_buffer_is_rewritten_before_its_copy_ran() -> None
         _check({name: tensor.cpu() for name, tensor in step_got.items()}, step_want)
     assert memory.allocated == MAX_HOST_BUFFERS  # the ring grew to its cap, then the host waited
     assert memory.waits > 0
+
+
+def test_a_message_that_never_crossed_gives_its_buffer_back() -> None:
+    memory = MessageMemory(CPU, copy=True)
+    for step in range(3 * MAX_HOST_BUFFERS):  # every step fails between encoding and issuing
+        inputs, context = _decode(5, seed=step)
+        message = encode_step("decode", inputs, context, step=step, allocate=memory.host_buffer)
+        memory.release(message)
+    assert memory.allocated == 1  # the one buffer, lent again each time
+
+
+def test_a_copy_that_fails_leaves_its_buffer_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = MessageMemory(CPU, copy=True)
+    inputs, context = _decode(5, seed=0)
+    message = encode_step("decode", inputs, context, allocate=memory.host_buffer)
+    original = torch.Tensor.copy_
+
+    def failing(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(torch.Tensor, "copy_", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        memory.inputs(message)
+    monkeypatch.setattr(torch.Tensor, "copy_", original)
+    again = encode_step("decode", inputs, context, allocate=memory.host_buffer)
+    assert again.buffer.data_ptr() == message.buffer.data_ptr() and memory.allocated == 1
+    _check(memory.inputs(again), inputs)

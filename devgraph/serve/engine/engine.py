@@ -497,8 +497,11 @@ class Engine:
         batch = self._stage(forward.kind, entries)
         message, plan = self._plan(forward, batch, copies)
         observer = self.step_observer
-        mark = observer.begin(forward.kind) if observer is not None else None
-        self._run_on_device(forward, batch, message, plan)
+        try:
+            mark = observer.begin(forward.kind) if observer is not None else None
+            self._run_on_device(forward, batch, message, plan)
+        finally:  # its buffer back to the message memory if the step failed before its copy was queued
+            self.message_memory.release(message)
         if observer is not None:
             observer.end(mark, int(batch.inputs["input_ids"].shape[0]), len(batch.requests))
         for member in forward.sampled:

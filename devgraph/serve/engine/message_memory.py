@@ -125,6 +125,15 @@ class MessageMemory:
         ring.lent[index] = True
         return ring.buffers[index][:size]
 
+    def release(self, message: StepMessage) -> None:
+        """Take back the buffer of a message that never reached :meth:`inputs` (its step failed between
+        encoding and issuing: nothing was queued from it); a no-op for any other message. Without it a
+        failed step's buffer would stay lent, and enough of them would end the reuse in its size class."""
+        owner = self._owner.get(int(message.buffer.data_ptr())) if self.copies else None
+        if owner is not None:
+            ring, index = owner
+            ring.lent[index] = False
+
     def inputs(self, message: StepMessage) -> dict[str, torch.Tensor]:
         """``message``'s input tensors on the device: views of this object's device buffer, filled by one
         non-blocking copy of the message (a host buffer it lent is free again once the copy ran).
@@ -135,18 +144,19 @@ class MessageMemory:
             return message.inputs(self.device)
         size = int(buffer.numel())
         capacity = _size_class(size)
-        target = self._device_buffers.get(capacity)
-        if target is None:
-            target = self._device_buffers[capacity] = torch.empty(
-                capacity, dtype=torch.uint8, device=self.device
-            )
-        target[:size].copy_(buffer, non_blocking=self.pinned)
         ring, index = owner
-        ring.lent[index] = False
-        event = ring.events[index]
-        if event is not None:  # a CPU copy is done when copy_ returns
-            event.record()
-            ring.copying[index] = True
+        try:
+            target = self._device_buffers.get(capacity)
+            if target is None:
+                target = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+                self._device_buffers[capacity] = target
+            target[:size].copy_(buffer, non_blocking=self.pinned)
+            event = ring.events[index]
+            if event is not None:  # a CPU copy is done when copy_ returns
+                event.record()
+                ring.copying[index] = True
+        finally:  # lent no more: free once its copy ran, or at once where none was queued (it failed)
+            ring.lent[index] = False
         key = (message.arrays, capacity)
         made = self._views.get(key)
         if made is None:

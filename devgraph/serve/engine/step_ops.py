@@ -193,7 +193,6 @@ class StepOps:
 
     def _install(self) -> None:
         from devgraph.serve.engine import engine as engine_module
-        from devgraph.serve.engine.wire import StepMessage
 
         engine = self.engine
         cpu = self._device.type == "cpu"
@@ -207,7 +206,7 @@ class StepOps:
             if cpu and self._current is not None:  # a GPU copies the message once; the CPU has no copy
                 self._current.copies["message"] += 1
 
-        self._wrap(StepMessage, "inputs", "message", message_crossing)
+        self._wrap(engine.message_memory, "inputs", "message", message_crossing)
         step = engine.device_step
         self._wrap(step, "copy_blocks", "cow")
         self._wrap(step, "_ids", "ids")
