@@ -137,3 +137,71 @@ def test_a_fused_model_replays_its_eager_step_exactly() -> None:
     reference = twin.decode_step(**batch).float()
     assert float((eager.float() - reference).norm() / reference.norm()) < 2e-2
     runner.close()
+
+
+class _Builds:
+    """A stand-in for the Triton module: records each build and the thread it ran on."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[int, torch.dtype, str]] = []
+        self.fail = fail
+
+    def build_silu_mul(self, width: int, dtype: torch.dtype) -> None:
+        import threading
+
+        self.calls.append((width, dtype, threading.current_thread().name))
+        if self.fail:
+            raise RuntimeError("no compiler here")
+
+
+def test_triton_is_set_up_once_per_process_on_a_thread_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devgraph.reference import fused
+
+    builds = _Builds()
+    monkeypatch.setattr(fused, "TRITON_SET_UP", {})
+    monkeypatch.setattr(fused, "_ops", lambda: builds)
+    thread = fused.set_up_triton(3072, torch.bfloat16)
+    assert thread is not None
+    thread.join(10)
+    assert builds.calls == [(3072, torch.bfloat16, "devgraph-triton-set-up")]
+    assert isinstance(fused.TRITON_SET_UP["seconds"], float) and "error" not in fused.TRITON_SET_UP
+    assert fused.set_up_triton(3072, torch.bfloat16) is None  # once per process
+    assert len(builds.calls) == 1
+
+
+def test_a_failed_set_up_is_recorded_and_raises_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devgraph.reference import fused
+
+    builds = _Builds(fail=True)
+    monkeypatch.setattr(fused, "TRITON_SET_UP", {})
+    monkeypatch.setattr(fused, "_ops", lambda: builds)
+    thread = fused.set_up_triton(64, torch.float16)
+    assert thread is not None
+    thread.join(10)
+    assert "no compiler here" in str(fused.TRITON_SET_UP["error"])
+
+
+def test_a_model_on_the_cpu_starts_no_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devgraph.reference import fused
+
+    builds = _Builds()
+    monkeypatch.setattr(fused, "TRITON_SET_UP", {})
+    monkeypatch.setattr(fused, "_ops", lambda: builds)
+    ReferenceModel(ReferenceConfig.preset("tiny", kernels="auto"), seed=0)
+    assert fused.TRITON_SET_UP == {} and builds.calls == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_on_a_gpu_the_set_up_builds_the_kernel_the_model_launches() -> None:
+    from devgraph.reference import fused
+    from devgraph.reference.kernels import triton_fused
+
+    thread = fused.set_up_triton(96, torch.bfloat16)
+    if thread is not None:
+        thread.join(120)
+    assert "error" not in fused.TRITON_SET_UP, fused.TRITON_SET_UP
+    triton_fused.build_silu_mul(96, torch.bfloat16)  # the kernel is there: no error, nothing launched
+    gate_up = torch.randn(3, 192, device="cuda", dtype=torch.bfloat16)
+    ref, out = silu_mul(gate_up, False).float(), silu_mul(gate_up, True).float()
+    assert ((out - ref).abs() <= 2 * 2.0**-7 * ref.abs().clamp_min(1)).all()  # as the test above judges it

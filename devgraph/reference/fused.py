@@ -20,7 +20,10 @@ or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``).
 
 import functools
 import importlib
+import logging
 import os
+import threading
+import time
 from typing import Optional
 
 import torch
@@ -28,7 +31,20 @@ import torch.nn.functional as F
 
 from devgraph.reference.rope import apply_rope
 
-__all__ = ["add_rms_norm", "fused_kernels", "qk_norm_rope", "rms_norm", "silu_mul"]
+__all__ = [
+    "TRITON_SET_UP",
+    "add_rms_norm",
+    "fused_kernels",
+    "qk_norm_rope",
+    "rms_norm",
+    "set_up_triton",
+    "silu_mul",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What the background set-up did (:func:`set_up_triton`): ``seconds`` once done, ``error`` if it failed.
+TRITON_SET_UP: dict[str, object] = {}
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,6 +61,30 @@ def fused_kernels(kernels: str, device: torch.device) -> bool:
     if kernels == "triton":
         return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     return kernels == "auto" and device.type == "cuda" and _triton()
+
+
+def set_up_triton(width: int, dtype: torch.dtype) -> threading.Thread | None:
+    """Start Triton's one-time set-up on a daemon thread, once per process: a model built for the Triton
+    form calls it first thing, so the set-up (and the build of one kernel the model uses) runs while the
+    weights are drawn or loaded instead of inside the first capture. It launches nothing and allocates no
+    device memory (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged
+    and leaves the first launch to do the set-up as before."""
+    if TRITON_SET_UP:
+        return None
+    TRITON_SET_UP["started"] = True
+
+    def work() -> None:
+        start = time.perf_counter()
+        try:
+            _ops().build_silu_mul(width, dtype)
+        except Exception as exc:  # an optimisation: the first launch does the same work
+            TRITON_SET_UP["error"] = repr(exc)
+            logger.debug("Triton's set-up in the background failed: %r", exc)
+        TRITON_SET_UP["seconds"] = round(time.perf_counter() - start, 3)
+
+    thread = threading.Thread(target=work, name="devgraph-triton-set-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def _ops():  # type: ignore[no-untyped-def]

@@ -13,7 +13,14 @@ from torch import nn
 from devgraph import ConfigError
 from devgraph.reference.attention import PagedMetadata, paged_attention, sdpa_attention
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.fused import add_rms_norm, fused_kernels, qk_norm_rope, rms_norm, silu_mul
+from devgraph.reference.fused import (
+    add_rms_norm,
+    fused_kernels,
+    qk_norm_rope,
+    rms_norm,
+    set_up_triton,
+    silu_mul,
+)
 from devgraph.reference.rope import rope_tables
 
 __all__ = [
@@ -246,6 +253,8 @@ class ReferenceModel(nn.Module):
             raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
         device = torch.device(device if device is not None else "cpu")
         self.config = config
+        if device.type == "cuda" and fused_kernels(config.kernels, device):
+            set_up_triton(config.intermediate_size, config.dtype)  # while the weights are drawn or loaded
         generator = torch.Generator().manual_seed(seed) if weights == "random" else None
         # Draw order is fixed (embedding, then layer by layer) so a seed pins every weight.
         shape, dtype = (config.vocab_size, config.hidden_size), config.dtype

@@ -23,7 +23,7 @@ from torch import nn
 
 from devgraph import ConfigError
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.fused import fused_kernels
+from devgraph.reference.fused import fused_kernels, set_up_triton
 from devgraph.reference.model import (
     WEIGHT_INITS,
     DecoderLayer,
@@ -152,6 +152,8 @@ class TPReferenceModel(ReferenceModel):
             )
         if weights not in WEIGHT_INITS:
             raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
+        if device.type == "cuda" and fused_kernels(config.kernels, device):
+            set_up_triton(config.intermediate_size // size, config.dtype)  # while the weights are drawn
         # "empty": shapes only, every weight filled later (a checkpoint loader slices each rank's part).
         draw = _drawer(seed, device, exact_weights) if weights == "random" else _empty(device)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
