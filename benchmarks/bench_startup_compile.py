@@ -42,6 +42,7 @@ from harness.targets import Target, targets_table
 
 from devgraph import create_backend
 from devgraph.reference import ReferenceConfig, ReferenceModel, decode_runner
+from devgraph.reference.fused import TRITON_SET_UP
 
 log = logging.getLogger("bench_startup_compile")
 
@@ -197,6 +198,7 @@ def devgraph_child(args: argparse.Namespace) -> dict[str, Any]:
         "compile": info.get("compile"),
         "vs_eager": vs_eager,
         "triton_jit_compiles": _summarise_compiles(triton_compiles, t1, t1 + warmup_s),
+        "triton_set_up_in_background": dict(TRITON_SET_UP),
     }
     if profile is not None:
         result["profile_of_capture"] = _profile_lines(profile)

@@ -81,6 +81,7 @@ run_step() {  # run_step NAME: one step, its limit, its command
     serve_tp_8b) limit=570 cmd="$PY benchmarks/serve_tp_check.py --out $R/serve-tp-8b.json --time-budget 550 --no-fp32 --tp-comm symm" ;;
     tp_kernels) limit=100 cmd="$PY benchmarks/bench_tp_comm.py --out $R/tp-kernels.json --no-micro --profile-kernels --deadline 90" ;;
     startup_pyc) limit=330 cmd="PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY -m compileall -q -j 16 \$($PY -c 'import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))') >/dev/null 2>&1; PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY benchmarks/bench_startup_compile.py --out $R/startup-pyc.json --children cold_regions,warm_regions,reduce_overhead --time-budget 200" ;;
+    startup_pyc_quick) limit=200 cmd="PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY -m compileall -q -j 16 \$($PY -c 'import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))') >/dev/null 2>&1; PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY benchmarks/bench_startup_compile.py --out $R/startup-pyc-quick.json --children cold_regions,warm_regions --time-budget 150" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)
