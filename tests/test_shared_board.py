@@ -5,9 +5,11 @@ whole agreement are in tests/test_dp.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,28 @@ def test_a_rank_that_stops_posting_is_an_error_after_the_rank_timeout(tmp_path, 
         first.max([1] * WIDTH)
     second.close()
     first.close()
+
+
+def test_late_peers_share_one_deadline_for_the_step(tmp_path, monkeypatch):
+    """With three ranks, rank 1 posting shortly before the timeout must not start a new timeout for rank 2:
+    the step fails one rank timeout after the wait began (a deadline per peer took 1.8 s here)."""
+    monkeypatch.setenv(RANK_TIMEOUT_ENV, "1.0")
+    first, second, third = boards(tmp_path, 3)
+
+    def rank_1_posts_late() -> None:
+        with contextlib.suppress(PeerLost):  # rank 2 never posts: rank 1 gives up too
+            second.max([2] * WIDTH)
+
+    late = threading.Timer(0.8, rank_1_posts_late)
+    late.start()
+    started = time.monotonic()
+    with pytest.raises(PeerLost, match="did not post step 1"):
+        first.max([1] * WIDTH)
+    waited = time.monotonic() - started
+    late.join()
+    assert waited < 1.5, waited
+    for board in (first, second, third):
+        board.close()
 
 
 def test_a_message_of_another_width_is_refused(tmp_path):

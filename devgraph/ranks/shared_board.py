@@ -184,22 +184,23 @@ class SharedBoard:
         memory_barrier()
         words[mine + width] = step
         result = list(values)
+        deadline = 0.0  # one deadline for the whole step (not one per late peer): set at the first wait
         for peer in range(self.ranks):
             if peer == self.rank:
                 continue
             slot = (peer * 2 + parity) * stride
             if words[slot + width] != step:
-                self._wait(slot + width, step, peer)
+                deadline = deadline or time.monotonic() + rank_timeout_s()
+                self._wait(slot + width, step, peer, deadline)
             memory_barrier()
             for i, value in enumerate(words[slot : slot + width]):
                 if value > result[i]:
                     result[i] = value
         return result
 
-    def _wait(self, at: int, step: int, peer: int) -> None:
+    def _wait(self, at: int, step: int, peer: int, deadline: float) -> None:
         words = self._words
         spins = 0
-        deadline = time.monotonic() + rank_timeout_s()
         while words[at] != step:
             spins += 1
             if spins > _SPINS:
