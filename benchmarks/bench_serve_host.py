@@ -16,6 +16,10 @@ an H200 for an 8-layer, hidden-1024 model) the host's work per step is what the 
 number, tracked from one round to the next. On the CPU the forward dominates the wall clock, so tokens/s
 moves little when the host's work does: the per-thread figures are the ones to compare.
 
+``--sample`` adds one load phase with both threads' stacks sampled every 0.5 ms (``sampled`` in the JSON:
+the share of samples per function, innermost and anywhere on the stack). Samples are wall-clock: a thread
+blocked in ``select`` or a lock counts there, so read them beside the CPU figures.
+
 Writes JSON (``--out``; default ``$OUT/serve-host.json``, else ``benchmarks/results/cpu-serve-host.json``):
 the command, torch, device, medians over ``--repeats`` load phases.
 """
@@ -90,6 +94,59 @@ def _wait_ready(url: str, timeout: float) -> None:
     raise TimeoutError(f"the server at {url} was not ready within {timeout:g} s")
 
 
+class Sampler:
+    """A sampling profiler of two threads (``--sample``): every ``interval`` seconds the frame each thread
+    is in, counted by function (self: the innermost frame of this project or the library, inclusive: any
+    frame of the stack). Cheap enough to leave the figures of the run it samples nearly unchanged; its own
+    thread takes the interpreter lock briefly at each sample."""
+
+    def __init__(self, threads: dict[str, int], interval: float = 0.0005) -> None:
+        self.threads, self.interval = threads, interval
+        self.own: dict[str, dict[str, int]] = {name: {} for name in threads}
+        self.inclusive: dict[str, dict[str, int]] = {name: {} for name in threads}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frames = sys._current_frames()
+            self.samples += 1
+            for name, ident in self.threads.items():
+                frame = frames.get(ident)
+                seen: set[str] = set()
+                first = True
+                while frame is not None:
+                    code = frame.f_code
+                    where = f"{Path(code.co_filename).name}:{code.co_name}"
+                    if first:
+                        self.own[name][where] = self.own[name].get(where, 0) + 1
+                        first = False
+                    if where not in seen:
+                        seen.add(where)
+                        self.inclusive[name][where] = self.inclusive[name].get(where, 0) + 1
+                    frame = frame.f_back
+
+    def report(self, top: int = 25) -> dict[str, Any]:
+        def ranked(counts: dict[str, int]) -> dict[str, float]:
+            best = sorted(counts.items(), key=lambda item: -item[1])[:top]
+            return {where: round(100 * n / max(self.samples, 1), 1) for where, n in best}
+
+        return {
+            "samples": self.samples,
+            "percent_of_samples_self": {name: ranked(c) for name, c in self.own.items()},
+            "percent_of_samples_inclusive": {name: ranked(c) for name, c in self.inclusive.items()},
+        }
+
+
 def drive(args: argparse.Namespace, url: str, engines: list[Any], report: dict[str, Any]) -> None:
     """In a thread: warm up, then ``--repeats`` measured load phases; stops the server at the end."""
     try:
@@ -102,6 +159,10 @@ def drive(args: argparse.Namespace, url: str, engines: list[Any], report: dict[s
         threads = {t.name: t.ident for t in threading.enumerate() if t.ident is not None}
         loop, worker = threads["MainThread"], threads[ENGINE_THREAD]
         runs = []
+        if args.sample:  # one more load phase, sampled (the measured phases are not)
+            with Sampler({"event_loop": loop, "engine": worker}) as sampler:
+                _load(url, args, args.requests, None)
+            report["sampled"] = sampler.report()
         for repeat in range(args.repeats):
             out = Path(args.work) / f"load-{repeat}.json"
             forward0, loop0, engine0 = clock.seconds, _thread_cpu(loop), _thread_cpu(worker)
@@ -156,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", default="64:96")
     parser.add_argument("--port", type=int, default=18341)
     parser.add_argument("--out")
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="sample both threads' stacks in an extra load phase (JSON: sampled)",
+    )
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.work = args.work or tempfile.mkdtemp(prefix="bench-serve-host-")
