@@ -6,8 +6,11 @@
 
 Batches (the reference engine's inputs, built here from a seed): a decode step of 1 request and of 256
 requests (contexts up to 2048 tokens, 16-token blocks: block tables 128 wide), and a prefill step of 2048
-tokens over 8 requests. Each is sent ``--steps`` times, one every ``--gap-us`` (the worker waits between
-steps as it does while the GPU runs one), through
+tokens over 8 requests, each with its rows of the device's block tables and the entries written since the
+last step, as the engine sends them; and the 256-request decode step with its whole block table
+(``decode_256_whole_tables``), as every step carried it before the device kept its own copy. Each is
+sent ``--steps`` times, one every ``--gap-us`` (the worker waits between steps as it does while the GPU
+runs one), through
 
 - ``shm_spin`` and ``shm_park``: :func:`devgraph.serve.engine.wire.encode_step` +
   :class:`devgraph.serve.tp.channel.StepChannel`, the worker's
@@ -53,7 +56,7 @@ from devgraph.serve.engine.wire import STOP, encode_step
 from devgraph.serve.tp.channel import StepChannel, WorkerChannel
 
 BLOCK, WIDTH = 16, 128  # 16-token blocks, contexts up to 2048 tokens
-CASES = ("decode_1", "decode_256", "prefill_2048")
+CASES = ("decode_1", "decode_256", "decode_256_whole_tables", "prefill_2048")
 CHECK_EVERY = 50
 #: The worker's wait: polling for half a second after each step (the default), or parked on its doorbell
 #: at once (DEVGRAPH_TP_SPIN_S=0: what a host with more runnable threads than cores wants); and the
@@ -63,8 +66,12 @@ SHM_MODES = {"shm_spin": (0.5, True), "shm_park": (0.0, True), "shm_spin_fresh":
 
 
 def make_batch(case: str, seed: int = 0) -> tuple[str, dict[str, torch.Tensor], StepContext]:
-    """The engine's inputs for ``case`` (host tensors, as the TP engine builds them)."""
+    """The engine's inputs for ``case`` (host tensors, as the engine builds them): the step's rows of the
+    device's block tables (``table_rows``) and the entries written since the previous step (a decode step:
+    one request in 16 crossed a block boundary; a prefill step: every block of its chunks); or, for a case
+    ending in ``_whole_tables``, the whole ``[R, 128]`` block table as every step carried it before."""
     generator = torch.Generator().manual_seed(seed)
+    whole = case.endswith("_whole_tables")
     if case.startswith("decode"):
         requests = int(case.split("_")[1])
         lens = torch.randint(64, BLOCK * WIDTH, (requests,), generator=generator).tolist()
@@ -77,12 +84,18 @@ def make_batch(case: str, seed: int = 0) -> tuple[str, dict[str, torch.Tensor], 
     positions: list[int] = []
     slots: list[int] = []
     tables = torch.zeros(requests, WIDTH, dtype=torch.int32)
+    written: list[int] = []  # flat indices of the entries this step wrote
     cu = [0]
     next_block = 1
     for r, (length, chunk) in enumerate(zip(lens, chunks, strict=True)):
         blocks = list(range(next_block, next_block + -(-length // BLOCK)))
         next_block += len(blocks)
         tables[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        if chunk > 1:  # a prefill chunk: the blocks its tokens fill are new
+            first = (length - chunk) // BLOCK
+            written += [r * WIDTH + b for b in range(first, len(blocks))]
+        elif r % 16 == 0:  # a decode step crossing a block boundary
+            written.append(r * WIDTH + len(blocks) - 1)
         for p in range(length - chunk, length):
             ids.append(int(torch.randint(0, 32000, (1,), generator=generator)))
             positions.append(p)
@@ -92,9 +105,14 @@ def make_batch(case: str, seed: int = 0) -> tuple[str, dict[str, torch.Tensor], 
         "input_ids": torch.tensor(ids, dtype=torch.int64),
         "positions": torch.tensor(positions, dtype=torch.int64),
         "slot_mapping": torch.tensor(slots, dtype=torch.int64),
-        "block_tables": tables,
         "seq_lens": torch.tensor(lens, dtype=torch.int32),
     }
+    if whole:
+        inputs["block_tables"] = tables
+    else:
+        inputs["table_rows"] = torch.arange(requests, dtype=torch.int64)
+        inputs["table_at"] = torch.tensor(written, dtype=torch.int64)
+        inputs["table_values"] = tables.view(-1)[inputs["table_at"]]
     if case.startswith("prefill"):
         inputs["cu_seqlens_q"] = torch.tensor(cu, dtype=torch.int32)
         return "prefill", inputs, StepContext(seq_lens=lens, cu_seqlens_q=cu)
@@ -102,6 +120,7 @@ def make_batch(case: str, seed: int = 0) -> tuple[str, dict[str, torch.Tensor], 
 
 
 def _columns(context: StepContext) -> dict[str, int]:
+    """Where a step still carries whole tables: the columns its longest request reads."""
     return {"block_tables": -(-max(context.seq_lens or [1]) // BLOCK)}
 
 

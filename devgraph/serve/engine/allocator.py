@@ -88,6 +88,13 @@ class BlockTables:
     A request gets a row when it starts running and gives it back when it stops; blocks are written
     into the row as they are allocated, so building a step's ``[R, max_blocks]`` table is one gather.
     Row ``max_rows`` stays all zeros: padding requests use it (they point at the scratch block).
+
+    The engine keeps a copy of the table on the device
+    (:class:`~devgraph.serve.engine.device_step.DeviceStep`) and sends it only what changed since the
+    previous step (:meth:`changes`): the rows given back (zeroed) and the entries written since. A step
+    then reads its rows of the device's copy, so its message carries one row index per request instead of
+    a whole ``[R, max_blocks]`` table (128 KiB at 256 requests and 2048-token contexts, most of a step's
+    bytes), on one device and to every tensor-parallel rank.
     """
 
     def __init__(self, max_rows: int, width: int) -> None:
@@ -97,6 +104,11 @@ class BlockTables:
         self._ints = _int32_view(self.table)
         self.padding_row = max_rows
         self._free_rows: deque[int] = deque(range(max_rows))
+        # Since the last changes(): rows zeroed, then entries written (flat indices; their values are read
+        # at changes() time, so the latest write wins); the device's copy starts all zeros, as this one.
+        self._cleared: set[int] = set()
+        self._written: set[int] = set()
+        self._resync = False
 
     def acquire(self) -> int:
         if not self._free_rows:
@@ -106,6 +118,9 @@ class BlockTables:
     def release(self, row: int) -> None:
         self.table[row].zero_()
         self._free_rows.append(row)
+        start = row * self.width
+        self._written.difference_update(range(start, start + self.width))  # the zeroing supersedes them
+        self._cleared.add(row)
 
     def write(self, row: int, start: int, blocks: Sequence[int]) -> None:
         """Blocks ``start .. start + len(blocks) - 1`` of a request's table."""
@@ -119,12 +134,40 @@ class BlockTables:
                 )
             at = row * self.width + start
             self._ints[at : at + len(blocks)] = array.array("i", blocks)
+            self._written.update(range(at, at + len(blocks)))
 
     def gather(self, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """The ``[len(rows), width]`` tables of these rows (a new tensor); ``rows`` a list or an int64
         tensor (the step's own, so no second one is made)."""
         index = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
         return self.table.index_select(0, index)
+
+    def changes(self) -> dict[str, torch.Tensor | array.array]:
+        """What the device's copy needs to equal this table, since the previous call: ``table_clear``
+        (int64 rows to zero), then ``table_at`` / ``table_values`` (int64 flat indices, int32 values to
+        write), as ``array.array`` (the step's message takes them without a torch op); or, after
+        :meth:`resync`, ``table_all`` (the whole table, a tensor). Empty when nothing changed."""
+        if self._resync:
+            self._resync = False
+            self._cleared.clear()
+            self._written.clear()
+            return {"table_all": self.table.clone()}
+        out: dict[str, torch.Tensor | array.array] = {}
+        if self._cleared:
+            out["table_clear"] = array.array("q", sorted(self._cleared))
+            self._cleared.clear()
+        if self._written:
+            at = sorted(self._written)
+            self._written.clear()
+            ints = self._ints
+            out["table_at"] = array.array("q", at)
+            out["table_values"] = array.array("i", [ints[i] for i in at])
+        return out
+
+    def resync(self) -> None:
+        """The next :meth:`changes` sends the whole table: changes already taken may never have reached the
+        device (a step that failed after its message was made)."""
+        self._resync = True
 
 
 def _int32_view(table: torch.Tensor) -> memoryview:

@@ -99,7 +99,10 @@ def decode_batch(
     *,
     padding_slot: int = 0,
     pad_to: int | None = None,
+    gather_tables: bool = True,
 ) -> StepBatch:
+    """One token per request. ``gather_tables=False``: no ``block_tables`` input (the device gathers the
+    step's rows, ``rows``, from its own copy of the tables)."""
     ids: list[int] = []
     from_slots: list[int] = []
     positions, slots, lens = [], [], []
@@ -137,9 +140,10 @@ def decode_batch(
         "input_ids": input_ids,
         "positions": positions_t,
         "slot_mapping": slot_mapping,
-        "block_tables": tables.gather(rows_t),
         "seq_lens": torch.tensor(lens + [0] * pad, dtype=torch.int32),
     }
+    if gather_tables:
+        tensors["block_tables"] = tables.gather(rows_t)
     count = len(requests)
     # Overlapped decode: every token pending, every id from its request's slot, which is its row.
     every_pending = pending and not some_known
@@ -165,8 +169,10 @@ def prefill_batch(
     padding_slot: int = 0,
     pad_tokens: int | None = None,
     pad_requests: int | None = None,
+    gather_tables: bool = True,
 ) -> StepBatch:
-    """``entries``: ``(request, start, length, samples)`` per request, decodes as 1-token chunks."""
+    """``entries``: ``(request, start, length, samples)`` per request, decodes as 1-token chunks.
+    ``gather_tables``: as for :func:`decode_batch`."""
     ids: list[int] = []
     from_slots: list[int] = []
     positions: list[int] = []
@@ -188,10 +194,11 @@ def prefill_batch(
         "input_ids": torch.tensor(ids + [0] * token_pad, dtype=torch.int64),
         "positions": torch.tensor(positions + [0] * token_pad, dtype=torch.int64),
         "slot_mapping": torch.tensor(slots + [padding_slot] * token_pad, dtype=torch.int64),
-        "block_tables": tables.gather(rows_t),
         "seq_lens": torch.tensor(lens + [0] * request_pad, dtype=torch.int32),
         "cu_seqlens_q": torch.tensor(cu + [cu[-1]] * request_pad, dtype=torch.int32),
     }
+    if gather_tables:
+        tensors["block_tables"] = tables.gather(rows_t)
     return StepBatch(
         tensors,
         StepContext(seq_lens=lens, cu_seqlens_q=cu),

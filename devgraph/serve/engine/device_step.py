@@ -39,10 +39,17 @@ StepResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 #: copy-on-write blocks, where pending ids come from (``id_slots``, or ``pending_slots`` when every id
 #: does), the logits rows sampled (a row of a request whose ``n`` copies fork repeats; absent when the
 #: leading rows sample, one token each) and the slot each sampled token goes to, and the rows and targets
-#: of prompt tokens scored for their log probabilities.
+#: of prompt tokens scored for their log probabilities. The block tables come as changes to the device's
+#: copy (``table_all``, or ``table_clear`` rows then ``table_at`` / ``table_values`` entries, see
+#: :meth:`~devgraph.serve.engine.allocator.BlockTables.changes`) and the step's rows of it (``table_rows``).
 STEP_ARRAYS = (
     "copy_from",
     "copy_to",
+    "table_all",
+    "table_clear",
+    "table_at",
+    "table_values",
+    "table_rows",
     "id_slots",
     "pending_slots",
     "sample_rows",
@@ -86,12 +93,22 @@ class DeviceStep:
         prefill_runner: GraphRunner,
         *,
         slots: int,
+        table_width: int | None = None,
         group: Any = None,
     ) -> None:
+        """``table_width``: the block tables' width (``slots`` rows, the last the all-zero padding row);
+        ``None`` when every step carries its ``block_tables`` itself."""
         self.model = model
         self.decode_runner = decode_runner
         self.prefill_runner = prefill_runner
         self.slots = TokenSlots(slots, model.device)
+        #: The device's copy of the engine's block tables (changed by each step's message, read by rows).
+        self.tables = (
+            torch.zeros((slots, table_width), dtype=torch.int32, device=model.device)
+            if table_width is not None
+            else None
+        )
+        self._flat_tables = self.tables.view(-1) if self.tables is not None else None
         self.group = group if group is not None and torch.distributed.get_world_size(group) > 1 else None
         self.source = 0 if self.group is None else torch.distributed.get_global_rank(self.group, 0)
         self.leader = self.group is None or torch.distributed.get_rank(self.group) == 0
@@ -102,6 +119,9 @@ class DeviceStep:
     def forward(self, kind: str, arrays: Mapping[str, torch.Tensor], context: StepContext) -> StepResult:
         """``arrays``: the message's tensors on the device (the forward's inputs and :data:`STEP_ARRAYS`)."""
         runner = self.runner(kind)
+        rows = arrays.get("table_rows")
+        if rows is not None:
+            arrays = {**arrays, "block_tables": self._tables(arrays, rows)}
         inputs: dict[str, Any] = {name: arrays[name] for name in runner.input_specs}
         copy_from = arrays.get("copy_from")
         if copy_from is not None:
@@ -113,6 +133,22 @@ class DeviceStep:
         if pending_slots is not None:
             inputs["input_ids"] = self._ids(inputs["input_ids"], pending_slots, every=True)
         return runner.run(context=context, **inputs)  # type: ignore[no-any-return]
+
+    def _tables(self, arrays: Mapping[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """Apply the step's changes to the device's copy of the block tables, then its rows of it."""
+        tables, flat = self.tables, self._flat_tables
+        if tables is None or flat is None:
+            raise RuntimeError("a step sent table rows to a DeviceStep built without table_width (bug)")
+        whole = arrays.get("table_all")
+        if whole is not None:
+            tables.copy_(whole)
+        cleared = arrays.get("table_clear")
+        if cleared is not None:
+            tables.index_fill_(0, cleared, 0)
+        at = arrays.get("table_at")
+        if at is not None:  # distinct indices (a set on the host): the order of the writes cannot matter
+            flat.index_copy_(0, at, arrays["table_values"])
+        return tables.index_select(0, rows)
 
     def copy_blocks(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Copy-on-write: fill the private copies the scheduler gave requests of shared KV blocks."""

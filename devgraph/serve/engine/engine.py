@@ -187,7 +187,12 @@ class Engine:
         )
         #: The device half of every step (the same on every tensor-parallel rank) and the token slots.
         self.device_step = DeviceStep(
-            model, self.decode_runner, self.prefill_runner, slots=running + 1, group=group
+            model,
+            self.decode_runner,
+            self.prefill_runner,
+            slots=running + 1,
+            table_width=model.config.max_blocks_per_request,
+            group=group,
         )
         #: Where each step's message is encoded and the device buffer it crosses to, reused step after step.
         self.message_memory = MessageMemory(model.device)
@@ -480,6 +485,7 @@ class Engine:
             try:
                 self._issue_forward(forward, entries, copies)
             except Exception as exc:  # a failed forward fails its requests, not the engine
+                self.tables.resync()  # its table changes may not have reached the device: all next time
                 failed += self._fail(forward, entries, exc)
                 continue
             issued.forwards.append(forward)
@@ -549,14 +555,13 @@ class Engine:
             arrays["id_slots"] = batch.id_slots
         if batch.pending_slots is not None:
             arrays["pending_slots"] = batch.pending_slots
+        # The block tables: what changed since the last step, and this step's rows of the device's copy.
+        assert batch.rows is not None  # both batch builders give every step its rows
+        arrays.update(self.tables.changes())
+        arrays["table_rows"] = batch.rows
         step = next(self._step_numbers)
         message = encode_step(
-            forward.kind,
-            arrays,
-            batch.context,
-            step=step,
-            columns=self._columns(batch),
-            allocate=self.message_memory.host_buffer,
+            forward.kind, arrays, batch.context, step=step, allocate=self.message_memory.host_buffer
         )
         return message, plan
 
@@ -624,7 +629,9 @@ class Engine:
         block_size = self.model_config.block_size
         if kind == "decode":
             pad = self.config.max_running_requests if pinned else None
-            return decode_batch([e[0] for e in entries], self.tables, block_size, pad_to=pad, **common)
+            return decode_batch(
+                [e[0] for e in entries], self.tables, block_size, pad_to=pad, gather_tables=False, **common
+            )
         budget, running = self.config.token_budget, self.config.max_running_requests
         return prefill_batch(
             entries,
@@ -632,15 +639,9 @@ class Engine:
             block_size,
             pad_tokens=budget if pinned else None,
             pad_requests=running if pinned else None,
+            gather_tables=False,
             **common,
         )
-
-    def _columns(self, batch: StepBatch) -> dict[str, int]:
-        """The block-table columns the step reads: those of its longest request (the rest go as zeros)."""
-        lengths = batch.context.seq_lens
-        if not lengths:
-            return {}
-        return {"block_tables": -(-max(lengths) // self.model_config.block_size)}
 
     def _plan_prompt_scores(self, forward: IssuedForward, batch: StepBatch) -> dict[str, torch.Tensor]:
         """The prompt tokens this forward's chunks predict (row ``p`` of a chunk predicts token ``p + 1``)

@@ -42,6 +42,7 @@ PHASES = (
     "stage",
     "plan",
     "message",
+    "tables",
     "cow",
     "ids",
     "runner",
@@ -53,7 +54,9 @@ PHASES = (
     "engine",
 )
 #: Phases whose ops run on the device on a GPU (the rest work on host tensors).
-DEVICE_PHASES = frozenset({"message", "cow", "ids", "runner", "sample", "slots", "to_host", "device"})
+DEVICE_PHASES = frozenset(
+    {"message", "tables", "cow", "ids", "runner", "sample", "slots", "to_host", "device"}
+)
 
 _ALLOC = frozenset({"empty", "empty_strided", "lift_fresh", "new_empty", "new_empty_strided", "empty_like"})
 _COPIES = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize"})
@@ -208,6 +211,7 @@ class StepOps:
 
         self._wrap(engine.message_memory, "inputs", "message", message_crossing)
         step = engine.device_step
+        self._wrap(step, "_tables", "tables")
         self._wrap(step, "copy_blocks", "cow")
         self._wrap(step, "_ids", "ids")
         self._wrap(step.slots, "write", "slots")

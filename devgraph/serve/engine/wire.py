@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import functools
 import struct
+from array import array as _PyArray
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -65,6 +66,8 @@ _DTYPES = (
     torch.float64,
 )
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+#: ``array.array`` inputs by type code (the engine's block-table changes): 8- and 4-byte signed ints.
+_ARRAY_DTYPES = {"q": torch.int64, "i": torch.int32}
 _CONTEXT_FIELDS = tuple(field.name for field in dataclasses.fields(StepContext))
 
 
@@ -154,7 +157,7 @@ def input_views(
 
 def encode_step(
     kind: str,
-    inputs: Mapping[str, torch.Tensor],
+    inputs: Mapping[str, torch.Tensor | _PyArray],
     context: StepContext | None,
     *,
     step: int = 0,
@@ -162,15 +165,25 @@ def encode_step(
     pin: bool = False,
     allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> StepMessage:
-    """``inputs`` (CPU tensors for speed; device tensors are copied to the host first) and ``context`` as
-    one buffer. ``columns``: name -> how many leading columns of that 2-D input the step reads; the rest
-    (which must be zeros) stay off the wire when that saves :data:`TRIM_MIN_BYTES` or more (a strided copy
+    """``inputs`` (CPU tensors for speed; device tensors are copied to the host first; or
+    ``array.array`` of ints, type code ``q`` or ``i``) and ``context`` as one buffer. ``columns``: name
+    -> how many leading columns of that 2-D input the step reads; the rest (which must be zeros) stay off
+    the wire when that saves :data:`TRIM_MIN_BYTES` or more (a strided copy
     costs more than copying a few kilobytes whole). ``pin``: a pinned buffer (the step goes to a GPU).
     ``allocate``: where the buffer comes from (reused ones of a
     :class:`~devgraph.serve.engine.message_memory.MessageMemory`); a new one when absent."""
     values: list[Any] = []
     signature: list[tuple[Any, ...]] = []
     for name, tensor in inputs.items():
+        if isinstance(tensor, _PyArray):  # host ints straight from Python: no torch op to make them
+            typed = _ARRAY_DTYPES.get(tensor.typecode)
+            if typed is None:
+                raise TypeError(
+                    f"step input {name}: array.array of type code {tensor.typecode!r} (use q or i)"
+                )
+            signature.append((name, typed, (len(tensor),), len(tensor)))
+            values.append(tensor)
+            continue
         if not tensor.is_cpu:
             tensor = tensor.cpu()  # correct, not fast: the engine hands host tensors to a TP forward
         if not tensor.is_contiguous():
@@ -199,6 +212,9 @@ def encode_step(
     for array, value in zip(arrays, values, strict=True):
         if array.role == _CONTEXT:
             struct.pack_into(f"<{len(value)}q", view, array.offset, *value)
+        elif isinstance(value, _PyArray):
+            if array.nbytes:
+                ctypes.memmove(base + array.offset, value.buffer_info()[0], array.nbytes)
         elif value.is_contiguous():
             ctypes.memmove(base + array.offset, value.data_ptr(), array.nbytes)
         else:  # a column slice: one strided copy into its place
