@@ -287,17 +287,19 @@ def test_every_block_a_forward_addresses_is_held_when_it_is_issued(small_cache_m
     checked: list[int] = []
     launch = engine.launch
 
+    problems: list[str] = []  # recorded, not raised: the engine turns a forward's exception into errors
+
     def checking(kind: str, message: Any, arrays: dict[str, torch.Tensor], context: Any) -> Any:
         lengths = context.seq_lens
-        result = launch(
-            kind, message, arrays, context
-        )  # the CPU runs it now: the device's tables are this step's
+        result = launch(kind, message, arrays, context)  # the CPU runs it now
         tables = engine.device_step.tables.index_select(0, arrays["table_rows"])[: len(lengths)]
         for table, length in zip(tables.tolist(), lengths, strict=True):
             for block in table[: -(-length // block_size)]:
-                assert engine.allocator.holders(block) > 0, f"{kind} step addresses free block {block}"
+                if engine.allocator.holders(block) == 0:
+                    problems.append(f"{kind} step addresses free block {block}")
         written = {s // block_size for s in arrays["slot_mapping"].tolist()} - {0}  # 0: padding's scratch
-        assert all(engine.allocator.holders(b) > 0 for b in written), f"{kind} step writes a free block"
+        if not all(engine.allocator.holders(b) > 0 for b in written):
+            problems.append(f"{kind} step writes a free block")
         checked.append(len(lengths))
         return result
 
@@ -311,6 +313,7 @@ def test_every_block_a_forward_addresses_is_held_when_it_is_issued(small_cache_m
         SamplingParams(max_tokens=12),
     ]
     requests, streams = _serve(engine, prompts, params)
+    assert not problems, problems
     assert engine.stats()["preemptions"] > 0 and len(checked) > 20
     _check_streams(requests, streams)
     assert engine.allocator.num_free == engine.allocator.capacity
