@@ -125,6 +125,22 @@ def test_block_table_changes_bring_a_copy_to_the_table_whatever_the_order() -> N
     assert tables.changes() == {}
 
 
+def test_block_table_changes_come_in_power_of_two_lengths() -> None:
+    tables = BlockTables(max_rows=4, width=8)
+    rows = [tables.acquire() for _ in range(3)]
+    tables.write(rows[0], 0, [1, 2, 3])
+    tables.write(rows[1], 0, [4, 5])
+    changes = tables.changes()
+    assert len(changes["table_at"]) == len(changes["table_values"]) == 8  # 5 entries, the last repeated
+    assert list(changes["table_at"])[4:] == [list(changes["table_at"])[4]] * 4  # type: ignore[call-overload]
+    device = torch.zeros_like(tables.table)
+    _apply(device, changes)
+    assert torch.equal(device, tables.table)
+    for row in rows:
+        tables.release(row)
+    assert len(tables.changes()["table_clear"]) == 4  # type: ignore[arg-type]
+
+
 def test_a_row_given_back_and_taken_again_in_one_step_is_cleared_then_written() -> None:
     tables = BlockTables(max_rows=1, width=4)
     row = tables.acquire()

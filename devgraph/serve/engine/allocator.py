@@ -146,7 +146,10 @@ class BlockTables:
         """What the device's copy needs to equal this table, since the previous call: ``table_clear``
         (int64 rows to zero), then ``table_at`` / ``table_values`` (int64 flat indices, int32 values to
         write), as ``array.array`` (the step's message takes them without a torch op); or, after
-        :meth:`resync`, ``table_all`` (the whole table, a tensor). Empty when nothing changed."""
+        :meth:`resync`, ``table_all`` (the whole table, a tensor). Empty when nothing changed. Each list
+        is as long as a power of two, its last entry repeated (the same row cleared or the same value
+        written again: the result is the same): a step's message then has one of a few layouts, whose
+        parsing and device views are cached, instead of one per count of changes."""
         if self._resync:
             self._resync = False
             self._cleared.clear()
@@ -154,10 +157,10 @@ class BlockTables:
             return {"table_all": self.table.clone()}
         out: dict[str, torch.Tensor | array.array] = {}
         if self._cleared:
-            out["table_clear"] = array.array("q", sorted(self._cleared))
+            out["table_clear"] = array.array("q", _bucketed(sorted(self._cleared)))
             self._cleared.clear()
         if self._written:
-            at = sorted(self._written)
+            at = _bucketed(sorted(self._written))
             self._written.clear()
             ints = self._ints
             out["table_at"] = array.array("q", at)
@@ -168,6 +171,12 @@ class BlockTables:
         """The next :meth:`changes` sends the whole table: changes already taken may never have reached the
         device (a step that failed after its message was made)."""
         self._resync = True
+
+
+def _bucketed(values: list[int]) -> list[int]:
+    """``values`` padded to a power-of-two length with its last entry."""
+    size = 1 << (len(values) - 1).bit_length()
+    return values + values[-1:] * (size - len(values))
 
 
 def _int32_view(table: torch.Tensor) -> memoryview:

@@ -146,7 +146,7 @@ class DeviceStep:
         if cleared is not None:
             tables.index_fill_(0, cleared, 0)
         at = arrays.get("table_at")
-        if at is not None:  # distinct indices (a set on the host): the order of the writes cannot matter
+        if at is not None:  # an index repeats only with its own value (padding): the order cannot matter
             flat.index_copy_(0, at, arrays["table_values"])
         return tables.index_select(0, rows)
 
