@@ -4,14 +4,16 @@ A step crosses to the device as one message (:mod:`~devgraph.serve.engine.wire`:
 non-blocking copy from pinned memory): the forward's inputs, the step's host lengths and the few arrays
 of the work around the forward, named in :data:`STEP_ARRAYS`. :meth:`DeviceStep.forward`:
 
-1. copies the KV blocks the scheduler gave private copies of (``copy_from`` -> ``copy_to``,
+1. brings its copy of the engine's block tables up to date (the step carries only what changed since
+   the previous one) and takes the step's rows of it (``table_rows``): the forward's ``block_tables``;
+2. copies the KV blocks the scheduler gave private copies of (``copy_from`` -> ``copy_to``,
    copy-on-write of blocks ``n > 1`` copies share);
-2. takes the ids of pending tokens from the token slots (``id_slots``: a token the previous step sampled,
+3. takes the ids of pending tokens from the token slots (``id_slots``: a token the previous step sampled,
    which the host has not read yet; ``pending_slots`` when every token is pending, as in overlapped
    decode: one gather instead of four ops). Under tensor parallelism rank 0 holds the slots and
    broadcasts the step's ids to the other ranks: one small collective, queued on the device like the
    forward's own, so no rank's host waits for it;
-3. runs the forward through the decode or the prefill runner.
+4. runs the forward through the decode or the prefill runner.
 
 Rank 0's engine then samples on the device and writes each sampled token into its request's slot
 (:meth:`TokenSlots.write`), where the next step's ids come from: the host reads the tokens a step later.
