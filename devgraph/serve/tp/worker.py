@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from devgraph.serve.engine.engine import Engine
-from devgraph.serve.engine.message_memory import MessageMemory
 from devgraph.serve.engine.wire import STOP
 from devgraph.serve.tp.channel import RankLost, WorkerChannel
 
@@ -31,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 def serve_steps(engine: Engine, channel: WorkerChannel) -> int:
     """Run rank 0's steps until the stop (0) or until rank 0 is gone (1)."""
-    memory = MessageMemory(engine.model.device)
+    memory = engine.message_memory  # the engine's own: a worker's engine issues no steps of its own
     while True:
         try:
             message = channel.receive(memory.host_buffer)
