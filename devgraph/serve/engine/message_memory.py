@@ -42,26 +42,32 @@ def _size_class(size: int) -> int:
     return max(MIN_CLASS_BYTES, 1 << (max(size, 1) - 1).bit_length())
 
 
+class _HostBuffer:
+    """A pooled host buffer: lent (handed out, its copy not queued yet), copying (its copy queued, with
+    ``event`` recorded behind it) or free."""
+
+    __slots__ = ("buffer", "copying", "event", "lent")
+
+    def __init__(self, buffer: torch.Tensor, event: torch.Event | None) -> None:
+        self.buffer, self.event = buffer, event
+        self.lent = self.copying = False
+
+    def free(self) -> bool:
+        if self.lent:
+            return False
+        if self.copying:
+            if self.event is not None and not self.event.query():
+                return False
+            self.copying = False
+        return True
+
+
 class _HostRing:
-    """The host buffers of one size class. A buffer is lent (handed out, its copy not queued yet), copying
-    (its copy queued; ``events[i]`` is recorded after it) or free."""
+    """The host buffers of one size class, handed out in turn from ``next``."""
 
     def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-        self.events: list[torch.Event | None] = []
-        self.lent: list[bool] = []
-        self.copying: list[bool] = []
+        self.slots: list[_HostBuffer] = []
         self.next = 0
-
-    def free(self, index: int) -> bool:
-        if self.lent[index]:
-            return False
-        if self.copying[index]:
-            event = self.events[index]
-            if event is not None and not event.query():
-                return False
-            self.copying[index] = False
-        return True
 
 
 class MessageMemory:
@@ -75,7 +81,7 @@ class MessageMemory:
         self.copies: Final = device.type != "cpu" if copy is None else copy
         self.pinned: Final = device.type != "cpu"
         self._rings: dict[int, _HostRing] = {}
-        self._owner: dict[int, tuple[_HostRing, int]] = {}  # a host buffer's address -> its place
+        self._owner: dict[int, _HostBuffer] = {}  # a pooled host buffer's address -> its slot
         self._device_buffers: dict[int, torch.Tensor] = {}
         self._views: dict[
             tuple[object, int], tuple[dict[str, torch.Tensor], tuple[tuple[str, int], ...]]
@@ -94,69 +100,66 @@ class MessageMemory:
         ring = self._rings.get(capacity)
         if ring is None:
             ring = self._rings[capacity] = _HostRing()
-        count = len(ring.buffers)
+        slots = ring.slots
+        count = len(slots)
         for turn in range(count):
             index = (ring.next + turn) % count
-            if ring.free(index):
+            if slots[index].free():
                 return self._lend(ring, index, size)
         if count < MAX_HOST_BUFFERS:
             self.allocated += 1
             buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=self.pinned)
-            ring.buffers.append(buffer)
-            ring.events.append(torch.Event(device=self.device) if self.pinned else None)
-            ring.lent.append(False)
-            ring.copying.append(False)
-            self._owner[int(buffer.data_ptr())] = (ring, count)
+            slot = _HostBuffer(buffer, torch.Event(device=self.device) if self.pinned else None)
+            slots.append(slot)
+            self._owner[int(buffer.data_ptr())] = slot
             return self._lend(ring, count, size)
-        copying = [i for i in range(count) if ring.copying[i]]
+        copying = [i for i in range(count) if slots[i].copying]
         if not copying:  # every buffer lent and none sent: a caller keeps them; this one is not pooled
             self.allocated += 1
             return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         index = min(copying, key=lambda i: (i - ring.next) % count)  # the oldest copy queued
-        event = ring.events[index]
+        event = slots[index].event
         if event is not None:
             self.waits += 1
             event.synchronize()
-        ring.copying[index] = False
+        slots[index].copying = False
         return self._lend(ring, index, size)
 
     def _lend(self, ring: _HostRing, index: int, size: int) -> torch.Tensor:
-        ring.next = (index + 1) % len(ring.buffers)
-        ring.lent[index] = True
-        return ring.buffers[index][:size]
+        ring.next = (index + 1) % len(ring.slots)
+        slot = ring.slots[index]
+        slot.lent = True
+        return slot.buffer[:size]
 
     def release(self, message: StepMessage) -> None:
         """Take back the buffer of a message that never reached :meth:`inputs` (its step failed between
         encoding and issuing: nothing was queued from it); a no-op for any other message. Without it a
         failed step's buffer would stay lent, and enough of them would end the reuse in its size class."""
-        owner = self._owner.get(int(message.buffer.data_ptr())) if self.copies else None
-        if owner is not None:
-            ring, index = owner
-            ring.lent[index] = False
+        slot = self._owner.get(int(message.buffer.data_ptr())) if self.copies else None
+        if slot is not None:
+            slot.lent = False
 
     def inputs(self, message: StepMessage) -> dict[str, torch.Tensor]:
         """``message``'s input tensors on the device: views of this object's device buffer, filled by one
         non-blocking copy of the message (a host buffer it lent is free again once the copy ran).
         A message whose buffer it did not lend crosses as :meth:`StepMessage.inputs` does."""
         buffer = message.buffer
-        owner = self._owner.get(int(buffer.data_ptr())) if self.copies else None
-        if owner is None:
+        slot = self._owner.get(int(buffer.data_ptr())) if self.copies else None
+        if slot is None:
             return message.inputs(self.device)
         size = int(buffer.numel())
         capacity = _size_class(size)
-        ring, index = owner
         try:
             target = self._device_buffers.get(capacity)
             if target is None:
                 target = torch.empty(capacity, dtype=torch.uint8, device=self.device)
                 self._device_buffers[capacity] = target
             target[:size].copy_(buffer, non_blocking=self.pinned)
-            event = ring.events[index]
-            if event is not None:  # a CPU copy is done when copy_ returns
-                event.record()
-                ring.copying[index] = True
+            if slot.event is not None:  # a CPU copy is done when copy_ returns
+                slot.event.record()
+                slot.copying = True
         finally:  # lent no more: free once its copy ran, or at once where none was queued (it failed)
-            ring.lent[index] = False
+            slot.lent = False
         key = (message.arrays, capacity)
         made = self._views.get(key)
         if made is None:
