@@ -139,6 +139,9 @@ def test_a_fused_model_replays_its_eager_step_exactly() -> None:
     runner.close()
 
 
+GPU = torch.device("cuda")  # as a device name only: these tests replace the Triton module
+
+
 class _Builds:
     """A stand-in for the Triton module: records each build and the thread it ran on."""
 
@@ -160,12 +163,12 @@ def test_triton_is_set_up_once_per_process_on_a_thread_of_its_own(monkeypatch: p
     builds = _Builds()
     monkeypatch.setattr(fused, "TRITON_SET_UP", {})
     monkeypatch.setattr(fused, "_ops", lambda: builds)
-    thread = fused.set_up_triton(3072, torch.bfloat16)
+    thread = fused.set_up_triton("triton", GPU, 3072, torch.bfloat16)
     assert thread is not None
     thread.join(10)
     assert builds.calls == [(3072, torch.bfloat16, "devgraph-triton-set-up")]
     assert isinstance(fused.TRITON_SET_UP["seconds"], float) and "error" not in fused.TRITON_SET_UP
-    assert fused.set_up_triton(3072, torch.bfloat16) is None  # once per process
+    assert fused.set_up_triton("triton", GPU, 3072, torch.bfloat16) is None  # once per process
     assert len(builds.calls) == 1
 
 
@@ -175,7 +178,7 @@ def test_a_failed_set_up_is_recorded_and_raises_nowhere(monkeypatch: pytest.Monk
     builds = _Builds(fail=True)
     monkeypatch.setattr(fused, "TRITON_SET_UP", {})
     monkeypatch.setattr(fused, "_ops", lambda: builds)
-    thread = fused.set_up_triton(64, torch.float16)
+    thread = fused.set_up_triton("triton", GPU, 64, torch.float16)
     assert thread is not None
     thread.join(10)
     assert "no compiler here" in str(fused.TRITON_SET_UP["error"])
@@ -197,7 +200,7 @@ def test_on_a_gpu_the_set_up_builds_the_kernel_the_model_launches() -> None:
     from devgraph.reference import fused
     from devgraph.reference.kernels import triton_fused
 
-    thread = fused.set_up_triton(96, torch.bfloat16)
+    thread = fused.set_up_triton("triton", torch.device("cuda"), 96, torch.bfloat16)
     if thread is not None:
         thread.join(120)
     assert "error" not in fused.TRITON_SET_UP, fused.TRITON_SET_UP

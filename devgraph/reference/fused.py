@@ -63,13 +63,17 @@ def fused_kernels(kernels: str, device: torch.device) -> bool:
     return kernels == "auto" and device.type == "cuda" and _triton()
 
 
-def set_up_triton(width: int, dtype: torch.dtype) -> threading.Thread | None:
-    """Start Triton's one-time set-up on a daemon thread, once per process: a model built for the Triton
-    form calls it first thing, so the set-up (and the build of one kernel the model uses) runs while the
-    weights are drawn or loaded instead of inside the first capture. It launches nothing and allocates no
-    device memory (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged
-    and leaves the first launch to do the set-up as before."""
-    if TRITON_SET_UP:
+def set_up_triton(
+    kernels: str, device: torch.device, width: int, dtype: torch.dtype
+) -> threading.Thread | None:
+    """Start Triton's one-time set-up on a daemon thread, once per process, where a model built with
+    ``config.kernels`` for ``device`` runs the Triton kernels on a GPU (``None`` otherwise, and when it ran
+    already). A model calls it first thing, so the set-up (and the build of one kernel the model uses, its
+    SiLU-and-multiply over ``width`` columns of ``dtype``) runs while the weights are drawn or loaded
+    instead of inside the first capture. It launches nothing and allocates no device memory
+    (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged and leaves the
+    first launch to do the set-up as before."""
+    if TRITON_SET_UP or device.type != "cuda" or not fused_kernels(kernels, device):
         return None
     TRITON_SET_UP["started"] = True
 

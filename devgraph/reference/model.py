@@ -253,8 +253,7 @@ class ReferenceModel(nn.Module):
             raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
         device = torch.device(device if device is not None else "cpu")
         self.config = config
-        if device.type == "cuda" and fused_kernels(config.kernels, device):
-            set_up_triton(config.intermediate_size, config.dtype)  # while the weights are drawn or loaded
+        set_up_triton(config.kernels, device, config.intermediate_size, config.dtype)  # while weights load
         generator = torch.Generator().manual_seed(seed) if weights == "random" else None
         # Draw order is fixed (embedding, then layer by layer) so a seed pins every weight.
         shape, dtype = (config.vocab_size, config.hidden_size), config.dtype

@@ -152,8 +152,7 @@ class TPReferenceModel(ReferenceModel):
             )
         if weights not in WEIGHT_INITS:
             raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
-        if device.type == "cuda" and fused_kernels(config.kernels, device):
-            set_up_triton(config.intermediate_size // size, config.dtype)  # while the weights are drawn
+        set_up_triton(config.kernels, device, config.intermediate_size // size, config.dtype)
         # "empty": shapes only, every weight filled later (a checkpoint loader slices each rank's part).
         draw = _drawer(seed, device, exact_weights) if weights == "random" else _empty(device)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
