@@ -72,8 +72,8 @@ class _HostRing:
 
 class MessageMemory:
     """Host buffers to encode or receive steps into (:meth:`host_buffer`) and the step's inputs on
-    ``device`` (:meth:`inputs`). Owned by one engine (or one tensor-parallel worker); not thread-safe:
-    one thread issues the steps."""
+    ``device`` (:meth:`inputs`). Owned by one engine (a tensor-parallel worker steps through its own);
+    not thread-safe: one thread issues the steps."""
 
     def __init__(self, device: torch.device, *, copy: bool | None = None) -> None:
         self.device: Final = device
