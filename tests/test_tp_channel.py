@@ -99,6 +99,20 @@ def test_device_tensors_and_strided_inputs_are_encoded_too() -> None:
     assert torch.equal(got["input_ids"], inputs["input_ids"])
 
 
+def test_python_int_arrays_cross_as_int64_and_int32_and_other_codes_are_refused() -> None:
+    from array import array
+
+    inputs = {"at": array("q", [3, 2**40, -1]), "values": array("i", [7, -8, 9]), "none": array("q")}
+    message = decode_step(encode_step("decode", inputs, None).buffer)
+    got = message.inputs(torch.device("cpu"))
+    assert got["at"].dtype == torch.int64 and got["at"].tolist() == [3, 2**40, -1]
+    assert got["values"].dtype == torch.int32 and got["values"].tolist() == [7, -8, 9]
+    assert got["none"].shape == (0,)
+    for code in ("d", "h", "B"):
+        with pytest.raises(TypeError, match=f"type code '{code}'"):
+            encode_step("decode", {"x": array(code, [1])}, None)
+
+
 def test_what_is_not_a_step_message_is_refused_in_words() -> None:
     with pytest.raises(ValueError, match="shorter than its header"):
         decode_step(torch.zeros(4, dtype=torch.uint8))
