@@ -303,18 +303,32 @@ def decode_model(r: Rank, device: torch.device) -> None:
         "all_reduces_per_step": 2 * args.layers,
     }
     logits: dict[str, dict[int, torch.Tensor]] = {}
-    for comm in ("torch", "symm"):
+    # symm: the all-reduce alone (fuse_all_reduce=False); symm_fused: with the add and norm in one kernel.
+    for comm in ("torch", "symm", "symm_fused"):
         if not _go(r, device, args.deadline * 0.8):
             out[comm] = {"error": "skipped: past the time budget"}
             continue
         t0 = time.perf_counter()
         model = runner = None
         try:
-            model = TPReferenceModel(config, dist.group.WORLD, device, seed=0, comm=comm, exact_weights=False)
+            model = TPReferenceModel(
+                config,
+                dist.group.WORLD,
+                device,
+                seed=0,
+                comm=comm.removesuffix("_fused"),
+                exact_weights=False,
+                fuse_all_reduce=comm.endswith("_fused"),
+            )
             model.randomize_cache(seed=0)
             runner = tp_decode_runner(model, mode="full", sizes=list(batches), progress=False)
             runner.capture()
-            row: dict[str, Any] = {"mode": model.comm.mode, "fallback_reason": model.comm.fallback_reason}
+            row: dict[str, Any] = {
+                "mode": model.comm.mode,
+                "fallback_reason": model.comm.fallback_reason,
+                "fused": repr(model.comm.fused) if model.comm.fused is not None else None,
+                "fused_reason": model.comm.fused_reason,
+            }
             row["build_capture_s"] = time.perf_counter() - t0
             logits[comm] = {}
             for n in batches:
@@ -352,13 +366,23 @@ def decode_model(r: Rank, device: torch.device) -> None:
         r.save()
     if args.profile_kernels and r.rank == 0 and _go(r, device, args.deadline * 0.8):
         out["one_gpu"] = _one_gpu(config, device, args.steps)
-    if "torch" in logits and "symm" in logits:
-        out["max_abs_diff_symm_vs_torch"] = {
-            str(n): float((logits["symm"][n] - logits["torch"][n]).abs().max()) for n in batches
+    for name in ("symm", "symm_fused"):
+        if "torch" not in logits or name not in logits:
+            continue
+        out[f"max_abs_diff_{name}_vs_torch"] = {
+            str(n): float((logits[name][n] - logits["torch"][n]).abs().max()) for n in batches
         }
-        rows = [out["torch"], out["symm"]]
-        out["symm_over_torch"] = {
+        rows = [out["torch"], out[name]]
+        out[f"{name}_over_torch"] = {
             str(n): rows[1][f"batch{n}_ms_per_step"] / rows[0][f"batch{n}_ms_per_step"] for n in batches
+        }
+    if "symm" in logits and "symm_fused" in logits:
+        out["max_abs_diff_symm_fused_vs_symm"] = {
+            str(n): float((logits["symm_fused"][n] - logits["symm"][n]).abs().max()) for n in batches
+        }
+        out["symm_fused_over_symm"] = {
+            str(n): out["symm_fused"][f"batch{n}_ms_per_step"] / out["symm"][f"batch{n}_ms_per_step"]
+            for n in batches
         }
     r.found["decode_model"] = out
     r.save()
@@ -481,7 +505,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         )
     ]
     model = report.get("decode_model") or {}
-    rows = {c: model.get(c) for c in ("torch", "symm") if isinstance(model.get(c), dict)}
+    rows = {c: model.get(c) for c in ("torch", "symm", "symm_fused") if isinstance(model.get(c), dict)}
     if rows and all("batch1_ms_per_step" in v for v in rows.values()):
         xb = [str(b) for b in model.get("batches", [])]
         panels.append(

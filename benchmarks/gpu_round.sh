@@ -82,6 +82,11 @@ run_step() {  # run_step NAME: one step, its limit, its command
     tp_kernels) limit=100 cmd="$PY benchmarks/bench_tp_comm.py --out $R/tp-kernels.json --no-micro --profile-kernels --deadline 90" ;;
     startup_pyc) limit=330 cmd="PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY -m compileall -q -j 16 \$($PY -c 'import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))') >/dev/null 2>&1; PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY benchmarks/bench_startup_compile.py --out $R/startup-pyc.json --children cold_regions,warm_regions,reduce_overhead --time-budget 200" ;;
     startup_pyc_quick) limit=200 cmd="PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY -m compileall -q -j 16 \$($PY -c 'import torch,os;print(os.path.dirname(os.path.dirname(torch.__file__)))') >/dev/null 2>&1; PYTHONPYCACHEPREFIX=/tmp/pyc PYTHONDONTWRITEBYTECODE= $PY benchmarks/bench_startup_compile.py --out $R/startup-pyc-quick.json --children cold_regions,warm_regions --time-budget 150" ;;
+    cuda_new) limit=150 cmd="pytest_json cuda-new 120 -m cuda tests/test_fused.py tests/test_inplace.py::test_on_cuda_the_plain_decoder_compiles_without_cache_copies" ;;
+    multi_fused) limit=200 cmd="pytest_json multi-fused 180 -m multi_gpu tests/test_tp.py -k 'fused or symm'" ;;
+    tp_kernels_fused) limit=170 cmd="$PY benchmarks/bench_tp_comm.py --out $R/tp-kernels.json --no-micro --profile-kernels --deadline 160" ;;
+    serve_small_fused) limit=200 cmd="PYTHONFAULTHANDLER=1 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-small-fused.json --models small --time-budget 180 --no-fp32 --tp-comm symm" ;;
+    serve_small_unfused) limit=200 cmd="PYTHONFAULTHANDLER=1 DEVGRAPH_TP_FUSE=0 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-small-unfused.json --models small --time-budget 180 --no-fp32 --tp-comm symm" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)

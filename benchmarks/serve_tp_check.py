@@ -129,6 +129,10 @@ def _serve_model(model: Model, plan: Plan, work: Path, budget: Budget, data: dic
             served.record["tp_comm_log"] = [
                 line.rstrip()[-400:] for line in served.server.stderr if "symm" in line.lower()
             ][-4:]
+        failed = any(load.get("failed") for load in served.record.get("loads", {}).values())
+        if failed or served.record.get("exit_code") not in (0, None) or "error" in served.record:
+            # What the server and its ranks said last (a rank's crash: PYTHONFAULTHANDLER=1 adds its stacks).
+            served.record["stderr_tail"] = [line.rstrip()[-300:] for line in served.server.stderr][-120:]
         _print_server(label, served.record)
     if len(tokens) == 2:
         data["servers"][f"{model.name}_tp2"]["tokens_vs_one_device_bf16"] = _compare(tokens[1], tokens[2])
@@ -181,6 +185,9 @@ def run(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     }
     try:
         for model in plan.models:
+            if args.models and model.name not in args.models.split(","):
+                data["skipped"].append(f"{model.name}: not in --models")
+                continue
             if budget.left() < 2 * model.start_s:
                 data["skipped"].append(f"{model.name}: {budget.left():.0f} s of the budget left")
                 continue
@@ -226,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "--tp-comm",
         help=f"the --tp servers' all-reduce ({TP_COMM_ENV}: auto, torch, op or symm; default: the server's)",
     )
+    parser.add_argument("--models", help="comma list of the plan's models to serve (default: all)")
     parser.add_argument(
         "--no-fp32",
         action="store_true",

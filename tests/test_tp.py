@@ -461,6 +461,41 @@ def test_symm_on_gloo_falls_back_to_op_and_logs_why(tmp_path):
     check_symm(launch("symm", tmp_path, limit=240), device=False)
 
 
+def test_fused_all_reduce_on_gloo_is_not_set_up(tmp_path):
+    [result, _] = _check_scenario(launch("fused", tmp_path, limit=240), "fused")
+    assert result["fused"] is None and result["mode"] == "op", result
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.cuda
+def test_fused_all_reduce_equals_nccl_and_the_add_norm_in_graphs_and_the_model(tmp_path):
+    from devgraph.reference.tp.comm import FUSED_MAX_ROWS
+
+    found = launch("fused", tmp_path, device="cuda", limit=300)
+    _record("fused", found)
+    for result in _check_scenario(found, "fused"):
+        assert result["fused"] is not None, result
+        for name, row in result["eager"].items():
+            rows = int(name.split("x")[0])
+            assert row["fused"] == (rows <= FUSED_MAX_ROWS), (name, row)
+            if row["fused"]:
+                # The sums round as NCCL's sum then torch.add; the norm may differ in its reduction order.
+                assert row["total"] == 0.0 and row["total_without_norm"] == 0.0, (name, row)
+                assert row["normed"] <= 0.05 and row["no_normed_without_weight"], (name, row)
+        assert result["graphs_alternating_max_diff"] <= 0.1, result
+        assert result["back_to_back_normed"] <= 0.05, result
+        assert result["model_fused_fused"] and result["model_late_fused"], result
+        assert not result["model_unfused_fused"], result
+        for n, row in result["model"].items():
+            # Against the unfused model's eager step before any capture: every run of both models, eager
+            # before and after the capture and replayed, within rounding (the norm's order of squares).
+            for name, value in row.items():
+                if name != "scale":
+                    assert value <= 1e-2 * max(1.0, row["scale"]), (
+                        f"{n} {name}: {json.dumps(result['model'])}"
+                    )
+
+
 @pytest.mark.cuda
 @pytest.mark.multi_gpu
 def test_nccl_symm_all_reduce_equals_the_sum_and_graphs_equal_eager(tmp_path):

@@ -596,8 +596,148 @@ def symm(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def fused(ctx: Ctx) -> dict[str, Any]:
+    """The fused all-reduce + add (+ RMSNorm) kernel (``symm`` with Triton): on the CPU (gloo) nothing is set
+    up; on GPUs it equals NCCL's sum followed by the add-and-norm kernel, eagerly at every row count it takes
+    (and refuses one past them), inside two CUDA graphs of different row counts replayed alternately with
+    new inputs (the flags carry over between graphs), back to back 500 times, and in a decode graph of the
+    model against the same model with the all-reduce unfused."""
+    from devgraph.reference.tp.comm import FUSED_MAX_ROWS, TPComm
+
+    dtype = torch.bfloat16
+    direct = TPComm(ctx.group, "symm", ctx.device, dtype=dtype, max_bytes=4 << 20, fuse=True)
+    out: dict[str, Any] = {
+        "mode": direct.mode,
+        "fused": repr(direct.fused) if direct.fused is not None else None,
+        "fused_reason": direct.fused_reason,
+    }
+    if direct.fused is None:
+        return out
+    from devgraph.reference.kernels.triton_fused import rms_norm
+
+    eps = 1e-6
+
+    def inputs(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shared = torch.Generator(device=ctx.device).manual_seed(seed)
+        mine = torch.Generator(device=ctx.device).manual_seed(seed * 10 + ctx.rank + 1)
+        partial = torch.randn((rows, cols), generator=mine, device=ctx.device).to(dtype)
+        residual = torch.randn((rows, cols), generator=shared, device=ctx.device).to(dtype)
+        weight = torch.rand(cols, generator=shared, device=ctx.device).to(dtype)
+        return partial, residual, weight
+
+    def reference(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> Any:
+        summed = partial.clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return rms_norm(summed, weight, eps, residual)  # (normed, total)
+
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max())
+
+    eager: dict[str, Any] = {}
+    for cols in (1024, 4096):
+        for rows in (1, 3, 64, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1):
+            partial, residual, weight = inputs(rows, cols, rows + cols)
+            got = direct.all_reduce_add(partial, residual, weight, eps)
+            plain = direct.all_reduce_add(partial, residual, None, eps)
+            want_normed, want_total = reference(partial, residual, weight)
+            if got is None or plain is None:
+                eager[f"{rows}x{cols}"] = {"fused": False}
+                continue
+            eager[f"{rows}x{cols}"] = {
+                "fused": True,
+                "total": diff(got[1], want_total),
+                "total_without_norm": diff(plain[1], want_total),
+                "normed": diff(got[0], want_normed),
+                "no_normed_without_weight": plain[0] is None,
+            }
+    out["eager"] = eager
+    # Two graphs, 1 and 8 rows, each three chained calls; replayed alternately with new inputs.
+    graphs: dict[int, Any] = {}
+    static: dict[int, tuple[torch.Tensor, ...]] = {}
+    pool = torch.cuda.graph_pool_handle()
+    for rows in (1, 8):
+        partial, residual, weight = inputs(rows, 1024, 7)
+
+        def chain(partial=partial, residual=residual, weight=weight) -> torch.Tensor:
+            normed, total = direct.all_reduce_add(partial, residual, weight, eps)
+            _, total = direct.all_reduce_add(normed, total, None, eps)
+            normed, total = direct.all_reduce_add(partial, total, weight, eps)
+            return normed + total
+
+        chain()  # warm-up (builds the kernels)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            result = chain()
+        graphs[rows], static[rows] = graph, (partial, residual, weight, result)
+
+    def chain_reference(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        normed, total = reference(partial, residual, weight)
+        summed = normed.clone()
+        dist.all_reduce(summed, group=ctx.group)
+        total = (summed.float() + total.float()).to(dtype)
+        normed, total = reference(partial, total, weight)
+        return normed + total
+
+    worst = 0.0
+    for step, rows in enumerate([1, 8, 8, 1, 8, 1, 1, 8] * 6):
+        partial, residual, weight, result = static[rows]
+        fresh = inputs(rows, 1024, 100 + step)
+        for dst, src in zip((partial, residual, weight), fresh, strict=True):
+            dst.copy_(src)
+        graphs[rows].replay()
+        worst = max(worst, diff(result, chain_reference(*fresh)))
+    torch.cuda.synchronize()
+    out["graphs_alternating_max_diff"] = worst
+    # Back to back, eagerly: no hang, the last result right.
+    partial, residual, weight = inputs(8, 4096, 3)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(500):
+        got = direct.all_reduce_add(partial, residual, weight, eps)
+    torch.cuda.synchronize()
+    out["back_to_back_us"] = (time.perf_counter() - start) / 500 * 1e6
+    assert got is not None
+    out["back_to_back_normed"] = diff(got[0], reference(partial, residual, weight)[0])
+    # The model: fused against unfused, eagerly before any capture, then replayed, then eagerly again; and
+    # fused with no eager step before the capture.
+    runs: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for label, fuse, eager_first in (("fused", True, True), ("unfused", False, True), ("late", True, False)):
+        model = TPReferenceModel(
+            ctx.config("paged"), ctx.group, device=ctx.device, seed=0, comm="symm", fuse_all_reduce=fuse
+        )
+        model.randomize_cache(seed=1)
+        out[f"model_{label}_fused"] = model.comm.fused is not None
+        batches = {n: make_decode_batch(model, n, seq_lens=16, seed=n) for n in DECODE_SIZES}
+        runs[label] = {n: {} for n in DECODE_SIZES}
+        with torch.no_grad():
+            for n, batch in batches.items():
+                if eager_first:
+                    runs[label][n]["eager_before"] = model.decode_step(**batch).float()
+        runner = tp_decode_runner(model, mode="full", sizes=DECODE_SIZES, check_lockstep=True)
+        runner.capture()
+        with torch.no_grad():
+            for n, batch in batches.items():
+                runs[label][n]["graph"] = runner.run(**batch).float()
+                runs[label][n]["eager_after"] = model.decode_step(**batch).float()
+        torch.cuda.synchronize()
+        runner.close()
+    reference_logits = {n: runs["unfused"][n]["eager_before"] for n in DECODE_SIZES}
+    out["model"] = {
+        str(n): {
+            f"{label}_{when}": diff(got, reference_logits[n])
+            for label, by_size in runs.items()
+            for when, got in by_size[n].items()
+        }
+        | {"scale": float(reference_logits[n].abs().max())}
+        for n in DECODE_SIZES
+    }
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "symm": symm,
+    "fused": fused,
     "fallback": fallback,
     "equivalence": equivalence,
     "compiled_full": compiled_full,

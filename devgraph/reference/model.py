@@ -207,10 +207,22 @@ class DecoderLayer(nn.Module):
         scale = None if self.qk_norm is None else self.qk_norm.weight
         qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        attn = self.reduce(F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj))
-        normed, hidden = add_rms_norm(attn, hidden, self.post_attention_norm.weight, self.rms_eps, self.fused)
+        attn = F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj)
+        normed, hidden = self.reduce_add_norm(attn, hidden)
         mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
-        return hidden + self.reduce(F.linear(mlp, self.down_proj))
+        return self.reduce_add(F.linear(mlp, self.down_proj), hidden)
+
+    def reduce_add_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After attention: ``(post_attention_norm(residual + reduced), residual + reduced)`` where
+        ``reduced`` is :meth:`reduce` of ``partial`` (tensor parallelism may do all three in one kernel)."""
+        weight = self.post_attention_norm.weight
+        return add_rms_norm(self.reduce(partial), residual, weight, self.rms_eps, self.fused)
+
+    def reduce_add(self, partial: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """After the MLP: ``residual + reduce(partial)`` (tensor parallelism may do both in one kernel)."""
+        return residual + self.reduce(partial)
 
 
 class ReferenceModel(nn.Module):

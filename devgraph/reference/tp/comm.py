@@ -21,13 +21,20 @@ Two ways to issue them (``comm=``), both captured inside device graphs:
   symmetric memory cannot be used (the CPU, gloo, one rank, no peer access, a dtype its kernels lack, a torch
   without the ops, a failed rendezvous or self-test on any rank) every rank falls back to what ``auto``
   picks, and one log line says why (:attr:`TPComm.fallback_reason`).
+
+  Under ``symm``, where Triton runs, a layer's all-reduce and what follows it (the residual add, and after
+  attention the next RMSNorm) are one kernel (:class:`FusedAllReduce`,
+  :mod:`devgraph.reference.tp.triton_all_reduce`) for steps of up to :data:`FUSED_MAX_ROWS` rows: the op
+  ``devgraph_tp::symm_all_reduce_add`` (:meth:`TPComm.all_reduce_add`). It has its own symmetric buffer and
+  flags, self-tested against the unfused path at construction; where it cannot be used (no Triton, a
+  failed self-test on any rank) the unfused path runs and :attr:`TPComm.fused_reason` says why.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,6 +43,8 @@ from devgraph.platforms.sim.graph import record_opaque
 
 __all__ = [
     "COMM_MODES",
+    "FUSED_MAX_ROWS",
+    "FusedAllReduce",
     "SYMM_BUFFER_MAX_BYTES",
     "SYMM_ONE_SHOT_MAX_BYTES",
     "SymmBuffer",
@@ -58,10 +67,21 @@ SYMM_ONE_SHOT_MAX_BYTES = 512 << 10
 SYMM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 _ALIGN = 16  # the kernels' widest vector; a partial at a 16-byte offset takes the fused one-kernel path
 
+# The fused all-reduce (FusedAllReduce) takes steps of up to this many rows (tokens): its grid is fixed at
+# FUSED_PROGRAMS programs, each reducing its rows one after another, so a long prefill is better served by
+# the unfused path's wide kernels. 128 rows covers decode batches up to 128; benchmarks/bench_tp_comm.py
+# times both paths by rows.
+FUSED_MAX_ROWS = 128
+FUSED_PROGRAMS = 32
+# The widest hidden size the fused kernel keeps in one program's registers (a row per program at a time).
+FUSED_MAX_COLS = 16384
+
 # Process groups the custom ops may name (an op's schema takes the group's name, not the object).
 _groups: dict[str, Any] = {}
 # The symmetric buffers the ``symm`` op may name, by key (group, dtype, size).
 _symm_buffers: dict[str, SymmBuffer] = {}
+# The fused all-reduces the ``symm_all_reduce_add`` op may name, by key (group, dtype, size).
+_fused_buffers: dict[str, FusedAllReduce] = {}
 
 
 def _all_reduce_now(tensor: torch.Tensor, group: Any) -> None:
@@ -111,6 +131,23 @@ def _symm_all_reduce_op(tensor: torch.Tensor, key: str) -> None:
 @_symm_all_reduce_op.register_fake
 def _(tensor, key):  # type: ignore[no-untyped-def]
     return None
+
+
+@torch.library.custom_op("devgraph_tp::symm_all_reduce_add", mutates_args=())
+def _symm_all_reduce_add_op(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: Optional[torch.Tensor],  # noqa: UP045 - torch derives the op schema from it
+    eps: float,
+    key: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fused_buffers[key].all_reduce_add(partial, residual, weight, eps)
+
+
+@_symm_all_reduce_add_op.register_fake
+def _(partial, residual, weight, eps, key):  # type: ignore[no-untyped-def]
+    normed = torch.empty_like(partial) if weight is not None else partial.new_empty((0, partial.shape[1]))
+    return normed, torch.empty_like(partial)
 
 
 # -- symmetric memory ------------------------------------------------------------------------------------
@@ -312,6 +349,135 @@ class SymmBuffer:
         )
 
 
+class FusedAllReduce:
+    """A group's fused all-reduce (``sum + residual``, optionally RMS-normed) in one Triton kernel
+    (:mod:`devgraph.reference.tp.triton_all_reduce`), with its own symmetric data buffer and flag array
+    (never shared with torch's ops, whose barriers use their own signal pads). Build it with
+    :meth:`create` (collective)."""
+
+    def __init__(
+        self, data: torch.Tensor, flags: torch.Tensor, data_handle: Any, flag_handle: Any, key: str
+    ) -> None:
+        self.data = data  # flat, symmetric: this rank's rows of a call's partial
+        self.flags = flags  # int32, symmetric: [2, programs, world] ready and done flags
+        # The handles keep the peers' mappings alive as long as the pointers below are used.
+        self._handles = (data_handle, flag_handle)
+        device = data.device
+        self.rank: int = data_handle.rank
+        self.world_size: int = data_handle.world_size
+        self.buffer_bases = torch.tensor(list(data_handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.flag_bases = torch.tensor(list(flag_handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.key = key
+        self.programs = FUSED_PROGRAMS
+        self.max_rows = FUSED_MAX_ROWS
+
+    @classmethod
+    def create(cls, group: Any, device: torch.device, dtype: torch.dtype, capacity: int) -> FusedAllReduce:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        # Imported here so a missing Triton fails before any collective allocation.
+        import devgraph.reference.tp.triton_all_reduce  # noqa: F401
+
+        name = group.group_name
+        world = torch.distributed.get_world_size(group)
+        numel = max(8, capacity // torch.empty((), dtype=dtype).element_size())
+        numel -= numel % 8
+        data = symm_mem.empty(numel, dtype=dtype, device=device)
+        data.zero_()
+        flags = symm_mem.empty(2 * FUSED_PROGRAMS * world, dtype=torch.int32, device=device)
+        flags.zero_()
+        rank = torch.distributed.get_rank(group)
+        done = flags.view(2, FUSED_PROGRAMS, world)[1]
+        done.fill_(1)  # every peer "done" with the call before the first: the first call passes step 1
+        done[:, rank] = 0
+        torch.cuda.synchronize(device)
+        data_handle = symm_mem.rendezvous(data, name)
+        flag_handle = symm_mem.rendezvous(flags, name)
+        torch.cuda.synchronize(device)
+        return cls(data, flags, data_handle, flag_handle, f"{name}/{dtype}/{numel}/fused")
+
+    def fits(self, partial: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether a call with these tensors takes the fused kernel (every rank decides alike: the same
+        shapes, dtypes and layouts on every rank)."""
+        if partial.dim() != 2 or residual.shape != partial.shape:
+            return False
+        rows, cols = partial.shape
+        if not isinstance(rows, int):  # symbolic under torch.compile: no guard on it, the unfused path
+            return False
+        return (
+            0 < rows <= self.max_rows
+            and cols <= FUSED_MAX_COLS
+            and rows * cols <= self.data.numel()
+            and partial.dtype == self.data.dtype == residual.dtype
+            and partial.stride(1) == 1
+            and residual.stride(1) == 1
+            and partial.device == self.data.device
+        )
+
+    def all_reduce_add(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from devgraph.reference.tp.triton_all_reduce import all_reduce_add
+
+        return all_reduce_add(
+            partial,
+            residual,
+            weight,
+            eps,
+            local=self.data,
+            buffer_bases=self.buffer_bases,
+            flag_bases=self.flag_bases,
+            rank=self.rank,
+            world_size=self.world_size,
+            programs=self.programs,
+        )
+
+    def build(self, width: int) -> None:
+        """Build the kernel's forms for rows of ``width`` columns now, without launching them, so that no
+        build happens while a model serves (a model calls it at construction)."""
+        from devgraph.reference.tp.triton_all_reduce import build
+
+        build(width, self.data.dtype, rank=self.rank, world_size=self.world_size, programs=self.programs)
+
+    def self_test(self, rank: int) -> str | None:
+        """The fused kernel against a plain sum on known values (collective), with and without the norm,
+        for one row and for the most rows it takes; what went wrong here, if anything."""
+        device, dtype = self.data.device, self.data.dtype
+        cols = 256
+        for rows in (1, min(self.max_rows, self.data.numel() // cols)):
+            generator = torch.Generator(device=device).manual_seed(1234)
+            everyone = torch.randn(
+                (self.world_size, rows, cols), generator=generator, device=device, dtype=torch.float32
+            ).to(dtype)
+            residual = torch.randn((rows, cols), generator=generator, device=device).to(dtype)
+            weight = torch.rand(cols, generator=generator, device=device).to(dtype)
+            summed = everyone.float().sum(0).to(dtype)
+            want_total = (summed.float() + residual.float()).to(dtype)
+            tf = want_total.float()
+            scaled = (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+            want_normed = (weight.float() * scaled).to(dtype)
+            normed, total = self.all_reduce_add(everyone[rank].contiguous(), residual, weight, 1e-6)
+            _, plain = self.all_reduce_add(everyone[rank].contiguous(), residual, None, 1e-6)
+            torch.cuda.synchronize(device)
+
+            # A stale or missing peer row is off by whole units; the order of a sum of more than two
+            # ranks (and of the norm's squares) by a unit in the last place.
+            def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+                return torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+            if not (close(total, want_total) and close(plain, want_total)):
+                return f"fused self-test on {rows}x{cols}: the sums differ from the plain sum"
+            if not close(normed, want_normed):
+                return f"fused self-test on {rows}x{cols}: the norm differs from the plain norm"
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"FusedAllReduce({self.data.numel() * self.data.element_size() >> 10} KiB {self.data.dtype}, "
+            f"{self.programs} programs, <= {self.max_rows} rows)"
+        )
+
+
 def _setup_symm(
     group: Any, device: torch.device, dtype: torch.dtype | None, capacity: int, one_shot_max: int, rank: int
 ) -> tuple[SymmBuffer | None, str | None]:
@@ -358,12 +524,51 @@ def _setup_symm(
     return buffer, None
 
 
+def _setup_fused(
+    group: Any, device: torch.device, dtype: torch.dtype, capacity: int, rank: int
+) -> tuple[FusedAllReduce | None, str | None]:
+    """The group's fused all-reduce, or why not (collective, after ``symm`` was set up on every rank)."""
+    local: str | None = None
+    try:
+        import devgraph.reference.tp.triton_all_reduce  # noqa: F401
+    except ImportError as exc:
+        local = f"the fused all-reduce needs Triton ({exc}); pip install triton"
+    if not _agree(local is None, group, device):
+        return None, local or "Triton is missing on another rank (its log says why)"
+    size = min(capacity, FUSED_MAX_ROWS * FUSED_MAX_COLS * torch.empty((), dtype=dtype).element_size())
+    key_probe = f"{group.group_name}/{dtype}/"
+    for existing in _fused_buffers.values():  # another model on this group: share its buffer
+        if (
+            existing.key.startswith(key_probe)
+            and existing.data.numel() * existing.data.element_size() >= size
+        ):
+            return existing, None
+    fused: FusedAllReduce | None = None
+    try:
+        fused = FusedAllReduce.create(group, device, dtype, size)
+    except Exception as exc:  # noqa: BLE001 - allocation or rendezvous failed: the unfused path
+        local = f"the fused all-reduce's allocation or rendezvous failed: {type(exc).__name__}: {exc}"
+    if not _agree(fused is not None, group, device):
+        return None, local or "the fused all-reduce's rendezvous failed on another rank (its log says why)"
+    assert fused is not None
+    try:
+        local = fused.self_test(rank)
+    except Exception as exc:  # noqa: BLE001 - the kernel failed to build or run here
+        local = f"the fused all-reduce's self-test raised {type(exc).__name__}: {exc}"
+    if not _agree(local is None, group, device):
+        return None, local or "the fused all-reduce's self-test failed on another rank (its log says why)"
+    _fused_buffers[fused.key] = fused
+    return fused, None
+
+
 class TPComm:
     """The collectives of one tensor-parallel rank over ``group`` (``None``: one rank, no collectives).
 
     ``dtype`` and ``max_bytes`` size the ``symm`` mode's buffer (the model's dtype; its largest all-reduce,
     capped at :data:`SYMM_BUFFER_MAX_BYTES`); ``symm_one_shot_max`` its one-shot limit. Asking for
-    ``symm`` is collective: every rank of the group constructs its TPComm together.
+    ``symm`` is collective: every rank of the group constructs its TPComm together. ``fuse``: under
+    ``symm``, also set up the fused all-reduce (:meth:`all_reduce_add`; a model running the Triton
+    kernels asks for it).
     """
 
     def __init__(
@@ -375,6 +580,7 @@ class TPComm:
         dtype: torch.dtype | None = None,
         max_bytes: int = SYMM_BUFFER_MAX_BYTES,
         symm_one_shot_max: int = SYMM_ONE_SHOT_MAX_BYTES,
+        fuse: bool = False,
     ) -> None:
         if comm not in COMM_MODES:
             raise ConfigError(f"comm={comm!r} is unknown; accepted: {', '.join(COMM_MODES)}")
@@ -394,6 +600,8 @@ class TPComm:
         self.group_name = group.group_name if distributed else ""
         self.symm: SymmBuffer | None = None
         self.fallback_reason: str | None = None  # why ``symm`` was asked for and not used
+        self.fused: FusedAllReduce | None = None
+        self.fused_reason: str | None = None  # why the fused all-reduce was asked for and not used
         if comm == "symm":
             if distributed:
                 self.symm, self.fallback_reason = _setup_symm(
@@ -403,8 +611,15 @@ class TPComm:
                 self.fallback_reason = "one rank: nothing to all-reduce"
             if self.symm is not None:
                 self.mode = "symm"
+                if fuse:
+                    assert dtype is not None  # symm was set up: the model's dtype is known
+                    self.fused, self.fused_reason = _setup_fused(group, device, dtype, max_bytes, self.rank)
                 if self.rank == 0:
-                    logger.info("tensor-parallel all-reduce: symmetric memory, %r", self.symm)
+                    logger.info(
+                        "tensor-parallel all-reduce: symmetric memory, %r; fused with the add and norm: %s",
+                        self.symm,
+                        self.fused if self.fused is not None else f"no ({self.fused_reason or 'not asked'})",
+                    )
             elif distributed:
                 logger.warning(
                     "tensor-parallel all-reduce: comm='symm' asked, using %r (rank %d): %s",
@@ -428,6 +643,20 @@ class TPComm:
             torch.ops.devgraph_tp.all_reduce(tensor, self.group_name)
         return tensor
 
+    def all_reduce_add(
+        self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """``(normed, residual + sum of partial over the ranks)`` in one fused kernel, ``normed`` being
+        RMSNorm(total) x ``weight`` (``None`` without a weight); ``None`` where the fused kernel does not
+        take this call (not set up, or the step is larger than it takes): the caller all-reduces and adds
+        itself. Every rank gets the same answer for the same shapes."""
+        if self.fused is None or not self.fused.fits(partial, residual):
+            return None
+        normed, total = torch.ops.devgraph_tp.symm_all_reduce_add(
+            partial, residual, weight, eps, self.fused.key
+        )
+        return (normed if weight is not None else None), total
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``[N, C]`` on each rank -> ``[world_size * N, C]``, rank 0's rows first."""
         if self.world_size == 1:
@@ -438,4 +667,5 @@ class TPComm:
 
     def __repr__(self) -> str:
         extra = f", fallback_reason={self.fallback_reason!r}" if self.fallback_reason else ""
+        extra += ", fused" if self.fused is not None else ""
         return f"TPComm(rank={self.rank}, world_size={self.world_size}, mode={self.mode!r}{extra})"

@@ -106,6 +106,22 @@ class TPDecoderLayer(DecoderLayer):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(partial)
 
+    # With the Triton kernels and ``symm``, the all-reduce and the add (and norm) after it are one kernel
+    # (TPComm.all_reduce_add) where the step fits it; the unfused path otherwise.
+    def reduce_add_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self.comm.all_reduce_add(partial, residual, self.post_attention_norm.weight, self.rms_eps)
+        if fused is None:
+            return super().reduce_add_norm(partial, residual)
+        normed, total = fused
+        assert normed is not None
+        return normed, total
+
+    def reduce_add(self, partial: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        fused = self.comm.all_reduce_add(partial, residual, None, self.rms_eps)
+        return super().reduce_add(partial, residual) if fused is None else fused[1]
+
 
 class TPReferenceModel(ReferenceModel):
     """The reference model, one tensor-parallel rank of it (``group``: the tensor-parallel process group;
@@ -118,7 +134,9 @@ class TPReferenceModel(ReferenceModel):
     size. ``comm``: how collectives are issued (:mod:`devgraph.reference.tp.comm`; ``"symm"`` is collective
     at construction: every rank builds its model together). ``exact_weights``:
     draw the full weights on the CPU as ReferenceModel does (equal to it; slow for billions of
-    parameters), else on ``device`` (fast, the same on every rank).
+    parameters), else on ``device`` (fast, the same on every rank). ``fuse_all_reduce``: under ``symm``
+    with the Triton kernels, each all-reduce and the residual add (and norm) after it run as one kernel
+    (:meth:`~devgraph.reference.tp.comm.TPComm.all_reduce_add`); ``False`` keeps them apart.
     """
 
     def __init__(
@@ -131,6 +149,7 @@ class TPReferenceModel(ReferenceModel):
         comm: str = "auto",
         exact_weights: bool = True,
         weights: str = "random",
+        fuse_all_reduce: bool = True,
     ) -> None:
         nn.Module.__init__(self)  # ReferenceModel's own __init__ would draw and keep the full weights
         device = torch.device(device if device is not None else "cpu")
@@ -138,7 +157,16 @@ class TPReferenceModel(ReferenceModel):
         # The largest all-reduce: a step of every request's every token ([tokens, hidden]); ``symm`` caps
         # its buffer (comm.SYMM_BUFFER_MAX_BYTES) and sends larger messages to NCCL.
         message = config.max_requests * config.max_seq_len * config.hidden_size
-        self.comm = TPComm(group, comm, device, dtype=config.dtype, max_bytes=message * config.dtype.itemsize)
+        self.comm = TPComm(
+            group,
+            comm,
+            device,
+            dtype=config.dtype,
+            max_bytes=message * config.dtype.itemsize,
+            fuse=fuse_all_reduce and fused_kernels(config.kernels, device),
+        )
+        if self.comm.fused is not None:  # its forms for this width built now, not while serving
+            self.comm.fused.build(config.hidden_size)
         size = self.comm.world_size
         bad = [
             f"{name}={getattr(config, name)}"

@@ -121,6 +121,9 @@ class ModelSource:
 #: Environment variable: how a ``--tp`` server's ranks all-reduce (``auto``, ``torch``, ``op`` or ``symm``:
 #: :mod:`devgraph.reference.tp.comm`); read by every rank, so the server and its workers agree.
 TP_COMM_ENV = "DEVGRAPH_TP_COMM"
+#: Environment variable: ``0`` keeps a ``symm`` server's all-reduces apart from the residual add and norm
+#: after them (``TPReferenceModel(fuse_all_reduce=False)``); ``1`` (default) fuses them where Triton runs.
+TP_FUSE_ENV = "DEVGRAPH_TP_FUSE"
 
 
 def _tp_model(config: ReferenceConfig, group: Any, device: torch.device, seed: int, weights: str) -> Any:
@@ -130,8 +133,20 @@ def _tp_model(config: ReferenceConfig, group: Any, device: torch.device, seed: i
     comm = os.environ.get(TP_COMM_ENV, "").strip().lower() or "auto"
     if comm not in COMM_MODES:
         raise ConfigError(f"{TP_COMM_ENV}={shorten(comm)} is unknown; accepted: {', '.join(COMM_MODES)}")
+    fuse = os.environ.get(TP_FUSE_ENV, "").strip() or "1"
+    if fuse not in ("0", "1"):
+        raise ConfigError(f"{TP_FUSE_ENV}={shorten(fuse)} is unknown; accepted: 0 (apart) or 1 (fused)")
     # exact_weights: a preset's shards are drawn as the single-device model draws (equal tokens).
-    return TPReferenceModel(config, group, device, seed, exact_weights=True, weights=weights, comm=comm)
+    return TPReferenceModel(
+        config,
+        group,
+        device,
+        seed,
+        exact_weights=True,
+        weights=weights,
+        comm=comm,
+        fuse_all_reduce=fuse == "1",
+    )
 
 
 def open_model(

@@ -1,0 +1,127 @@
+"""The fused all-reduce + add (+ RMSNorm) of the tensor-parallel layers (``FusedAllReduce``).
+
+On the CPU: the kernel builds to a cubin for a Hopper GPU (Triton's own ptxas assembles its inline PTX:
+the flags' acquire loads and release stores, the timer and the trap), which calls take it, and that the
+layers route both of their all-reduces through it. Its results on two GPUs (against NCCL's sum and the
+add-and-norm kernel, in alternating CUDA graphs and in the model) are the ``multi_gpu`` test
+``tests/test_tp.py::test_fused_all_reduce_equals_nccl_and_the_add_norm_in_graphs_and_the_model``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devgraph.reference import ReferenceConfig, make_decode_batch
+from devgraph.reference.tp import TPReferenceModel
+from devgraph.reference.tp.comm import FUSED_MAX_COLS, FUSED_MAX_ROWS, FusedAllReduce, TPComm
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _cubin(world: int, rank: int, norm: bool) -> dict[str, str | bytes]:
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:  # pragma: no cover - a Triton without the ahead-of-time API
+        pytest.skip(f"this Triton has no ahead-of-time compile API ({exc})")
+    from devgraph.reference.tp import triton_all_reduce
+
+    pointers = ("partial_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "total_ptr", "local_ptr")
+    signature = {name: "*bf16" for name in pointers}
+    signature |= {"buffer_bases": "*i64", "flag_bases": "*i64"}
+    signature |= {name: "i32" for name in ("rows", "n_cols", "stride_p", "stride_r", "stride_n", "stride_t")}
+    signature |= {"eps": "fp32"}
+    constants = {
+        "RANK": rank,
+        "WORLD": world,
+        "PROGRAMS": 32,
+        "HAS_NORM": norm,
+        "BLOCK": 4096,
+    }
+    signature |= {name: "constexpr" for name in constants}
+    source = ASTSource(fn=triton_all_reduce._all_reduce_add_kernel, signature=signature, constexprs=constants)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except (RuntimeError, FileNotFoundError) as exc:
+        if "ptxas" in str(exc).lower():  # a Triton wheel without its CUDA assembler
+            pytest.skip(f"Triton's ptxas is not usable here: {exc}")
+        raise
+    return compiled.asm
+
+
+@pytest.mark.parametrize(("world", "rank", "norm"), [(2, 0, True), (2, 1, False), (4, 3, True)])
+def test_the_kernel_assembles_for_a_hopper_gpu_with_its_flags(world, rank, norm):
+    asm = _cubin(world, rank, norm)
+    ptx = str(asm["ptx"])
+    assert len(asm["cubin"]) > 0
+    # Per peer: two waits (done, ready), each one thread spinning on an acquire load with a time limit
+    # that traps and clearing the flag it saw, and two release stores (ready, done); the program's
+    # threads meet between them.
+    peers = world - 1
+    assert ptx.count("ld.acquire.sys.global.u32") == 2 * peers
+    assert ptx.count("st.relaxed.sys.global.u32") == 2 * peers
+    assert ptx.count("st.release.sys.global.u32") == 2 * peers
+    assert ptx.count("mov.u32 %thread, %tid.x") == 4 * peers  # each by thread 0 alone
+    assert ptx.count("%globaltimer") >= 2 * peers and "trap;" in ptx
+    assert ptx.count("bar.sync") >= 3
+
+
+def _fused_for(data: torch.Tensor, max_rows: int = FUSED_MAX_ROWS) -> FusedAllReduce:
+    # fits() reads only the buffer and the row limit; the rest needs GPUs and a group.
+    fused = FusedAllReduce.__new__(FusedAllReduce)
+    fused.data, fused.max_rows = data, max_rows
+    return fused
+
+
+def test_fits_takes_decode_sized_steps_of_the_buffers_dtype_only():
+    fused = _fused_for(torch.empty(FUSED_MAX_ROWS * 4096, dtype=torch.bfloat16))
+    x = torch.zeros(8, 4096, dtype=torch.bfloat16)
+    assert fused.fits(x, x.clone())
+    assert fused.fits(
+        torch.zeros(FUSED_MAX_ROWS, 4096, dtype=torch.bfloat16),
+        torch.zeros(FUSED_MAX_ROWS, 4096, dtype=torch.bfloat16),
+    )
+    too_many = torch.zeros(FUSED_MAX_ROWS + 1, 4096, dtype=torch.bfloat16)
+    assert not fused.fits(too_many, too_many)  # a long prefill: the unfused path's wide kernels
+    assert not fused.fits(x[:0], x[:0])  # nothing to reduce
+    assert not fused.fits(x.float(), x.float())  # another dtype than the buffer's
+    assert not fused.fits(x, x[:4])  # shapes differ
+    assert not fused.fits(x.t(), x.t())  # rows not contiguous
+    wide = torch.zeros(1, FUSED_MAX_COLS * 2, dtype=torch.bfloat16)
+    assert not _fused_for(torch.empty(FUSED_MAX_COLS * 4, dtype=torch.bfloat16)).fits(wide, wide)
+    small = _fused_for(torch.empty(4 * 4096, dtype=torch.bfloat16))
+    assert not small.fits(x, x)  # 8 rows do not fit a 4-row buffer
+
+
+def test_one_rank_has_no_fused_all_reduce_and_says_so():
+    comm = TPComm(None, "symm", torch.device("cpu"), dtype=torch.bfloat16, fuse=True)
+    x = torch.ones(2, 16)
+    assert comm.fused is None and comm.all_reduce_add(x, x, None, 1e-6) is None
+    assert "one rank" in (comm.fallback_reason or "")
+
+
+def test_both_all_reduces_of_every_layer_go_through_the_fused_call_when_it_takes_them(monkeypatch):
+    config = ReferenceConfig.preset("tiny", kernels="torch", max_requests=4, max_seq_len=64)
+    model = TPReferenceModel(config, seed=0)
+    batch = make_decode_batch(model, 2, seq_lens=8, seed=0)
+    with torch.no_grad():
+        plain = model.decode_step(**batch)
+    calls: list[bool] = []
+
+    def fused_stand_in(partial, residual, weight, eps):  # what the kernel computes, on one rank
+        calls.append(weight is not None)
+        total = residual + partial
+        if weight is None:
+            return None, total
+        xf = total.float()
+        normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(total.dtype)
+        return normed, total
+
+    monkeypatch.setattr(model.comm, "all_reduce_add", fused_stand_in)
+    with torch.no_grad():
+        routed = model.decode_step(**batch)
+    # Per layer: after attention with the post-attention norm's weight, after the MLP without one.
+    assert calls == [True, False] * config.num_layers
+    torch.testing.assert_close(routed, plain, rtol=0, atol=0)
