@@ -334,7 +334,8 @@ def decode_model(r: Rank, device: torch.device) -> None:
             for n in batches:
                 batch = make_decode_batch(model, n, seq_lens=256, seed=n)
                 with torch.no_grad():
-                    logits[comm][n] = runner.run(**batch).float()
+                    # clone: a replay's output is the graph's buffer, which the next replay rewrites
+                    logits[comm][n] = runner.run(**batch).float().clone()
                     for _ in range(3):
                         runner.run(**batch)
                     torch.cuda.synchronize()

@@ -87,6 +87,8 @@ run_step() {  # run_step NAME: one step, its limit, its command
     tp_kernels_fused) limit=170 cmd="$PY benchmarks/bench_tp_comm.py --out $R/tp-kernels.json --no-micro --profile-kernels --deadline 160" ;;
     serve_small_fused) limit=200 cmd="PYTHONFAULTHANDLER=1 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-small-fused.json --models small --time-budget 180 --no-fp32 --tp-comm symm" ;;
     serve_small_unfused) limit=200 cmd="PYTHONFAULTHANDLER=1 DEVGRAPH_TP_FUSE=0 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-small-unfused.json --models small --time-budget 180 --no-fp32 --tp-comm symm" ;;
+    serve_8b_only) limit=300 cmd="PYTHONFAULTHANDLER=1 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-8b.json --models 8b --time-budget 280 --no-fp32 --tp-comm symm" ;;
+    serve_tp_tests) limit=180 cmd="pytest_json serve-tp-tests 150 -m multi_gpu tests/test_serve_tp.py" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)

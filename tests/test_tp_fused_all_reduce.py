@@ -14,7 +14,14 @@ import torch
 
 from devgraph.reference import ReferenceConfig, make_decode_batch
 from devgraph.reference.tp import TPReferenceModel
-from devgraph.reference.tp.comm import FUSED_MAX_COLS, FUSED_MAX_ROWS, FusedAllReduce, TPComm
+from devgraph.reference.tp.comm import (
+    FUSED_MAX_COLS,
+    FUSED_MAX_ROWS,
+    FUSED_PROGRAMS,
+    FusedAllReduce,
+    TPComm,
+    _peer_addresses,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,7 +38,8 @@ def _cubin(world: int, rank: int, norm: bool) -> dict[str, str | bytes]:
     pointers = ("partial_ptr", "residual_ptr", "weight_ptr", "normed_ptr", "total_ptr", "local_ptr")
     signature = {name: "*bf16" for name in pointers}
     signature |= {"buffer_bases": "*i64", "flag_bases": "*i64"}
-    signature |= {name: "i32" for name in ("rows", "n_cols", "stride_p", "stride_r", "stride_n", "stride_t")}
+    ints = ("rows", "n_cols", "slab", "stride_p", "stride_r", "stride_n", "stride_t")
+    signature |= {name: "i32" for name in ints}
     signature |= {"eps": "fp32"}
     constants = {
         "RANK": rank,
@@ -53,6 +61,8 @@ def _cubin(world: int, rank: int, norm: bool) -> dict[str, str | bytes]:
 
 @pytest.mark.parametrize(("world", "rank", "norm"), [(2, 0, True), (2, 1, False), (4, 3, True)])
 def test_the_kernel_assembles_for_a_hopper_gpu_with_its_flags(world, rank, norm):
+    from devgraph.reference.tp import triton_all_reduce
+
     asm = _cubin(world, rank, norm)
     ptx = str(asm["ptx"])
     assert len(asm["cubin"]) > 0
@@ -65,13 +75,14 @@ def test_the_kernel_assembles_for_a_hopper_gpu_with_its_flags(world, rank, norm)
     assert ptx.count("st.release.sys.global.u32") == 2 * peers
     assert ptx.count("mov.u32 %thread, %tid.x") == 4 * peers  # each by thread 0 alone
     assert ptx.count("%globaltimer") >= 2 * peers and "trap;" in ptx
+    assert f"%now, {triton_all_reduce.WAIT_LIMIT_NS};" in ptx  # the limit the module documents
     assert ptx.count("bar.sync") >= 3
 
 
 def _fused_for(data: torch.Tensor, max_rows: int = FUSED_MAX_ROWS) -> FusedAllReduce:
     # fits() reads only the buffer and the row limit; the rest needs GPUs and a group.
     fused = FusedAllReduce.__new__(FusedAllReduce)
-    fused.data, fused.max_rows = data, max_rows
+    fused.data, fused.max_rows, fused.programs = data, max_rows, FUSED_PROGRAMS
     return fused
 
 
@@ -125,3 +136,27 @@ def test_both_all_reduces_of_every_layer_go_through_the_fused_call_when_it_takes
     # Per layer: after attention with the post-attention norm's weight, after the MLP without one.
     assert calls == [True, False] * config.num_layers
     torch.testing.assert_close(routed, plain, rtol=0, atol=0)
+
+
+def test_a_row_count_that_overflows_a_programs_slab_takes_the_unfused_path():
+    # 33 rows: program 0 holds rows 0 and 32, two rows of its slab; a slab of one row refuses it.
+    fused = _fused_for(torch.empty(FUSED_PROGRAMS * 1024, dtype=torch.bfloat16))
+    x32 = torch.zeros(32, 1024, dtype=torch.bfloat16)
+    x33 = torch.zeros(33, 1024, dtype=torch.bfloat16)
+    assert fused.fits(x32, x32) and not fused.fits(x33, x33)
+
+
+class _Handle:
+    def __init__(self, bases: list[int], offset: int = 0) -> None:
+        self.buffer_ptrs, self.offset = bases, offset
+
+
+def test_peer_addresses_follow_the_handles_offset_or_are_refused():
+    from devgraph import ConfigError
+
+    tensor = torch.empty(8)
+    here = tensor.data_ptr()
+    assert _peer_addresses(_Handle([here, 1000]), tensor, 0) == [here, 1000]
+    assert _peer_addresses(_Handle([5000, here - 64], offset=64), tensor, 1) == [5064, here]
+    with pytest.raises(ConfigError, match="cannot locate"):
+        _peer_addresses(_Handle([here + 4096, 1000]), tensor, 0)

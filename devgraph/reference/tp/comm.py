@@ -349,6 +349,22 @@ class SymmBuffer:
         )
 
 
+def _peer_addresses(handle: Any, tensor: torch.Tensor, rank: int) -> list[int]:
+    """Every rank's address of ``tensor``'s symmetric allocation. A handle's ``buffer_ptrs`` are the
+    mappings' bases; torch may place a tensor at an ``offset`` into its allocation (a pool split), which
+    every rank shares: this rank's own address tells which, and an address it cannot account for is
+    refused (the unfused path) rather than written through."""
+    bases = [int(p) for p in handle.buffer_ptrs]
+    offset = int(getattr(handle, "offset", 0) or 0)
+    for shift in dict.fromkeys((0, offset)):
+        if bases[rank] + shift == tensor.data_ptr():
+            return [base + shift for base in bases]
+    raise ConfigError(
+        f"symmetric memory: this rank's tensor is at {tensor.data_ptr():#x}, its handle's base "
+        f"{bases[rank]:#x} and offset {offset}; the fused all-reduce cannot locate the peers' copies"
+    )
+
+
 class FusedAllReduce:
     """A group's fused all-reduce (``sum + residual``, optionally RMS-normed) in one Triton kernel
     (:mod:`devgraph.reference.tp.triton_all_reduce`), with its own symmetric data buffer and flag array
@@ -365,8 +381,10 @@ class FusedAllReduce:
         device = data.device
         self.rank: int = data_handle.rank
         self.world_size: int = data_handle.world_size
-        self.buffer_bases = torch.tensor(list(data_handle.buffer_ptrs), dtype=torch.int64, device=device)
-        self.flag_bases = torch.tensor(list(flag_handle.buffer_ptrs), dtype=torch.int64, device=device)
+        bases = _peer_addresses(data_handle, data, self.rank)
+        flag_bases = _peer_addresses(flag_handle, flags, self.rank)
+        self.buffer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        self.flag_bases = torch.tensor(flag_bases, dtype=torch.int64, device=device)
         self.key = key
         self.programs = FUSED_PROGRAMS
         self.max_rows = FUSED_MAX_ROWS
@@ -404,10 +422,11 @@ class FusedAllReduce:
         rows, cols = partial.shape
         if not isinstance(rows, int):  # symbolic under torch.compile: no guard on it, the unfused path
             return False
+        per_program = -(-rows // self.programs)  # rows of the busiest program, in its own slab
         return (
             0 < rows <= self.max_rows
             and cols <= FUSED_MAX_COLS
-            and rows * cols <= self.data.numel()
+            and per_program * cols <= self.data.numel() // self.programs
             and partial.dtype == self.data.dtype == residual.dtype
             and partial.stride(1) == 1
             and residual.stride(1) == 1
@@ -441,33 +460,35 @@ class FusedAllReduce:
 
     def self_test(self, rank: int) -> str | None:
         """The fused kernel against a plain sum on known values (collective), with and without the norm,
-        for one row and for the most rows it takes; what went wrong here, if anything."""
+        for one row and for the most rows it takes, new values every call; what went wrong here, if
+        anything. The sums must be exact (the same additions in the same order); the norm within
+        rounding (its sum of squares in another order)."""
         device, dtype = self.data.device, self.data.dtype
         cols = 256
-        for rows in (1, min(self.max_rows, self.data.numel() // cols)):
-            generator = torch.Generator(device=device).manual_seed(1234)
+        most = min(self.max_rows, (self.data.numel() // self.programs // cols) * self.programs)
+        if most < 1:
+            return f"its buffer ({self.data.numel()} elements) is too small for a row per program"
+        for call, rows in enumerate(r for r in (1, 1, most, 3) if r <= most):
+            generator = torch.Generator(device=device).manual_seed(1234 + call)
             everyone = torch.randn(
                 (self.world_size, rows, cols), generator=generator, device=device, dtype=torch.float32
             ).to(dtype)
             residual = torch.randn((rows, cols), generator=generator, device=device).to(dtype)
             weight = torch.rand(cols, generator=generator, device=device).to(dtype)
-            summed = everyone.float().sum(0).to(dtype)
-            want_total = (summed.float() + residual.float()).to(dtype)
+            summed = everyone[0].float()
+            for other in everyone[1:]:  # rank order, in float32, as the kernel adds
+                summed = summed + other.float()
+            want_total = (summed.to(dtype).float() + residual.float()).to(dtype)
             tf = want_total.float()
             scaled = (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
             want_normed = (weight.float() * scaled).to(dtype)
             normed, total = self.all_reduce_add(everyone[rank].contiguous(), residual, weight, 1e-6)
             _, plain = self.all_reduce_add(everyone[rank].contiguous(), residual, None, 1e-6)
             torch.cuda.synchronize(device)
-
-            # A stale or missing peer row is off by whole units; the order of a sum of more than two
-            # ranks (and of the norm's squares) by a unit in the last place.
-            def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-                return torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-
-            if not (close(total, want_total) and close(plain, want_total)):
+            # A stale or missing peer row is off by whole units, and so is a row read before it was written.
+            if not (torch.equal(total, want_total) and torch.equal(plain, want_total)):
                 return f"fused self-test on {rows}x{cols}: the sums differ from the plain sum"
-            if not close(normed, want_normed):
+            if not torch.allclose(normed.float(), want_normed.float(), rtol=1e-2, atol=1e-2):
                 return f"fused self-test on {rows}x{cols}: the norm differs from the plain norm"
         return None
 
@@ -551,6 +572,15 @@ def _setup_fused(
     if not _agree(fused is not None, group, device):
         return None, local or "the fused all-reduce's rendezvous failed on another rank (its log says why)"
     assert fused is not None
+    try:  # built on every rank before any launches: a rank that cannot build must not leave its peers waiting
+        fused.build(256)
+    except Exception as exc:  # noqa: BLE001 - the kernel does not build here
+        local = f"the fused all-reduce's kernel does not build: {type(exc).__name__}: {exc}"
+    if not _agree(local is None, group, device):
+        return (
+            None,
+            local or "the fused all-reduce's kernel does not build on another rank (its log says why)",
+        )
     try:
         local = fused.self_test(rank)
     except Exception as exc:  # noqa: BLE001 - the kernel failed to build or run here
@@ -611,9 +641,12 @@ class TPComm:
                 self.fallback_reason = "one rank: nothing to all-reduce"
             if self.symm is not None:
                 self.mode = "symm"
-                if fuse:
+                # Agreed first: _setup_fused is collective, and a rank without Triton asks for nothing.
+                if _agree(fuse, group, device):
                     assert dtype is not None  # symm was set up: the model's dtype is known
                     self.fused, self.fused_reason = _setup_fused(group, device, dtype, max_bytes, self.rank)
+                elif fuse:
+                    self.fused_reason = "another rank did not ask for it (no Triton there?)"
                 if self.rank == 0:
                     logger.info(
                         "tensor-parallel all-reduce: symmetric memory, %r; fused with the add and norm: %s",

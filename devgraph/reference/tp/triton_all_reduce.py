@@ -3,16 +3,25 @@ rank read over NVLink from symmetric memory, added in rank order, the residual a
 the sum RMS-normed, in one launch where the unfused path takes two (an all-reduce kernel, then the
 add-and-norm kernel) and waits on a barrier between them (imports triton; GPUs only).
 
-Rounding follows the unfused path: the ranks' partials summed in float32 in rank order and rounded to the
-model's dtype (what an all-reduce returns), that plus the residual rounded again (``torch.add``), then the
-norm exactly as :func:`devgraph.reference.kernels.triton_fused.rms_norm` does. Every rank sums in the same
-order, so every rank gets the same bits.
+Rounding: the ranks' partials summed in float32 in rank order and rounded once to the model's dtype, that
+plus the residual rounded again (``torch.add``), then the norm exactly as
+:func:`devgraph.reference.kernels.triton_fused.rms_norm` does. With two ranks that is the unfused path bit
+for bit (one addition, one rounding); with more, NCCL and torch's one-shot kernel round after each
+addition, so the two paths may differ in the last bit. Every rank sums in the same order, so every rank
+gets the same bits.
 
-The protocol, per program (the grid is always ``programs`` programs, so program ``b`` of one call meets
-program ``b`` of the previous call on every rank):
+One call in flight per buffer: the calls of a group must be ordered on one stream (as every collective of
+a group must be); two streams issuing fused calls at once on one rank would take each other's flags.
 
-1. wait until every peer's program ``b`` has finished reading what this program wrote in the previous call
-   (the ``done`` flags; set at start-up so the first call passes);
+Row ``r`` always belongs to program ``r % programs``, whatever the grid, and program ``b`` keeps its rows in
+its own slab of the symmetric buffer (``b * slab`` onwards, whatever the width), so calls of other row
+counts or widths on the same buffer (two models on one group) never write where another program's peer
+may still read. A call launches one program per row up to ``programs`` (a decode step of one request: one
+program), and every rank launches the same programs for the same rows. The protocol, per program ``b``:
+
+1. wait until every peer's program ``b`` has finished reading what this program wrote the last time it
+   ran (the ``done`` flags; set at start-up so the first call passes). Only program ``b`` writes and reads
+   rows ``b, b + programs, ...``, so a call that launched fewer programs left those rows alone;
 2. copy this rank's rows of the partial into its symmetric buffer;
 3. signal ``ready`` to every peer, wait for every peer's ``ready``;
 4. read every rank's rows, reduce, add, norm, write the outputs;
@@ -35,9 +44,11 @@ import triton.language as tl
 
 __all__ = ["WAIT_LIMIT_NS", "all_reduce_add", "build"]
 
-#: How long a program waits for a peer's flag before it traps (60 s: a start-up's slowest rank compiling
-#: its kernels is seconds behind, never a minute).
-WAIT_LIMIT_NS = 60_000_000_000
+#: How long a program waits for a peer's flag before it traps: 600 s, NCCL's default timeout. Ranks may be
+#: minutes apart while one still loads its weights and the other already warms up; a rank that is gone is
+#: found by the host's monitor within seconds (the server fails the requests and exits), and this limit
+#: only keeps a GPU from spinning for ever. The wait's PTX below spells the same number.
+WAIT_LIMIT_NS = 600_000_000_000
 
 
 @triton.jit
@@ -63,7 +74,7 @@ def _wait_flag(addr):
             @%set bra wait_clear;
             mov.u64 %now, %globaltimer;
             sub.u64 %now, %now, %start;
-            setp.gt.u64 %late, %now, 60000000000;
+            setp.gt.u64 %late, %now, 600000000000;
             @%late trap;
             bra wait_again;
         wait_clear:
@@ -106,7 +117,7 @@ def _set_flag(addr):
 
 # rows is not specialised on (Triton would build a variant for 1, for multiples of 16 and for the rest):
 # one build per model width and norm flag, made at set-up (build()), never while serving.
-@triton.jit(do_not_specialize=["rows"])
+@triton.jit(do_not_specialize=["rows", "slab"])
 def _all_reduce_add_kernel(
     partial_ptr,
     residual_ptr,
@@ -118,6 +129,7 @@ def _all_reduce_add_kernel(
     flag_bases,  # int64 [world]: every rank's flag array address (int32 words)
     rows,
     n_cols,
+    slab,  # elements of the symmetric buffer each program owns: program b's rows start at b * slab
     stride_p,
     stride_r,
     stride_n,
@@ -148,7 +160,7 @@ def _all_reduce_add_kernel(
     for row in range(pid, rows, PROGRAMS):
         r64 = tl.cast(row, tl.int64)
         x = tl.load(partial_ptr + r64 * stride_p + cols, mask=mask, other=0.0)
-        tl.store(local_ptr + r64 * n_cols + cols, x, mask=mask)
+        tl.store(local_ptr + tl.cast(pid, tl.int64) * slab + (r64 // PROGRAMS) * n_cols + cols, x, mask=mask)
 
     # 3. ready: every thread's copy before the release stores, every peer's before any read.
     tl.debug_barrier()
@@ -169,7 +181,11 @@ def _all_reduce_add_kernel(
                 x = tl.load(partial_ptr + r64 * stride_p + cols, mask=mask, other=0.0)
             else:
                 base = tl.load(buffer_bases + p).to(tl.pointer_type(dtype))
-                x = tl.load(base + r64 * n_cols + cols, mask=mask, other=0.0)
+                x = tl.load(
+                    base + tl.cast(pid, tl.int64) * slab + (r64 // PROGRAMS) * n_cols + cols,
+                    mask=mask,
+                    other=0.0,
+                )
             acc += x.to(tl.float32)
         summed = acc.to(dtype).to(tl.float32)
         res = tl.load(residual_ptr + r64 * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -200,6 +216,7 @@ def build(width: int, dtype: torch.dtype, *, rank: int, world_size: int, program
             torch.int64,
             1,
             width,
+            width,  # slab (not specialised)
             width,
             width,
             width,
@@ -235,7 +252,7 @@ def all_reduce_add(
     rows, cols = partial.shape
     total = torch.empty((rows, cols), device=partial.device, dtype=partial.dtype)
     normed = torch.empty_like(total) if weight is not None else total.new_empty((0, cols))
-    _all_reduce_add_kernel[(programs,)](
+    _all_reduce_add_kernel[(min(rows, programs),)](
         partial,
         residual,
         weight if weight is not None else partial,
@@ -246,9 +263,10 @@ def all_reduce_add(
         flag_bases,
         rows,
         cols,
+        local.numel() // programs,
         partial.stride(0),
         residual.stride(0),
-        normed.stride(0) if weight is not None else 0,
+        normed.stride(0) if weight is not None else total.stride(0),  # as build() specialises it
         total.stride(0),
         eps,
         RANK=rank,
