@@ -234,3 +234,31 @@ def test_an_unknown_tp_comm_names_the_variable_and_the_accepted_values(
         ConfigError, match="DEVGRAPH_TP_COMM='pigeon' is unknown; accepted: auto, torch, op, symm"
     ):
         _tp_model(ReferenceConfig.preset("tiny"), None, torch.device("cpu"), 0, "random")
+
+
+def test_tp_fuse_takes_0_or_1_and_reaches_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from devgraph.errors import ConfigError
+    from devgraph.reference import ReferenceConfig
+    from devgraph.reference.tp import TPReferenceModel
+    from devgraph.serve.checkpoint.source import TP_FUSE_ENV, _tp_model
+
+    seen: list[bool] = []
+    original = TPReferenceModel.__init__
+
+    def spy(self, *args, fuse_all_reduce=True, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(fuse_all_reduce)
+        original(self, *args, fuse_all_reduce=fuse_all_reduce, **kwargs)
+
+    monkeypatch.setattr(TPReferenceModel, "__init__", spy)
+    config = ReferenceConfig.preset("tiny")
+    for value, fused in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv(TP_FUSE_ENV, value)
+        _tp_model(config, None, torch.device("cpu"), 0, "random")
+        assert seen[-1] is fused
+    monkeypatch.setenv(TP_FUSE_ENV, "yes")
+    with pytest.raises(
+        ConfigError, match="DEVGRAPH_TP_FUSE='yes' is unknown; accepted: 0 .apart. or 1 .fused."
+    ):
+        _tp_model(config, None, torch.device("cpu"), 0, "random")
