@@ -546,9 +546,11 @@ def _setup_symm(
 
 
 def _setup_fused(
-    group: Any, device: torch.device, dtype: torch.dtype, capacity: int, rank: int
+    group: Any, device: torch.device, dtype: torch.dtype, capacity: int, rank: int, width: int | None
 ) -> tuple[FusedAllReduce | None, str | None]:
-    """The group's fused all-reduce, or why not (collective, after ``symm`` was set up on every rank)."""
+    """The group's fused all-reduce, or why not (collective, after ``symm`` was set up on every rank):
+    shared with another model on the group where its buffer is large enough, else made and self-tested;
+    its kernel built for ``width`` columns (the model's hidden size) on every rank before any launch."""
     local: str | None = None
     try:
         import devgraph.reference.tp.triton_all_reduce  # noqa: F401
@@ -558,22 +560,32 @@ def _setup_fused(
         return None, local or "Triton is missing on another rank (its log says why)"
     size = min(capacity, FUSED_MAX_ROWS * FUSED_MAX_COLS * torch.empty((), dtype=dtype).element_size())
     key_probe = f"{group.group_name}/{dtype}/"
-    for existing in _fused_buffers.values():  # another model on this group: share its buffer
-        if (
-            existing.key.startswith(key_probe)
+    shared = next(
+        (
+            existing
+            for existing in _fused_buffers.values()  # another model on this group: share its buffer
+            if existing.key.startswith(key_probe)
             and existing.data.numel() * existing.data.element_size() >= size
-        ):
-            return existing, None
-    fused: FusedAllReduce | None = None
-    try:
-        fused = FusedAllReduce.create(group, device, dtype, size)
-    except Exception as exc:  # noqa: BLE001 - allocation or rendezvous failed: the unfused path
-        local = f"the fused all-reduce's allocation or rendezvous failed: {type(exc).__name__}: {exc}"
-    if not _agree(fused is not None, group, device):
-        return None, local or "the fused all-reduce's rendezvous failed on another rank (its log says why)"
+        ),
+        None,
+    )
+    fused: FusedAllReduce | None = shared
+    if fused is None:
+        try:
+            fused = FusedAllReduce.create(group, device, dtype, size)
+        except Exception as exc:  # noqa: BLE001 - allocation or rendezvous failed: the unfused path
+            local = f"the fused all-reduce's allocation or rendezvous failed: {type(exc).__name__}: {exc}"
+        if not _agree(fused is not None, group, device):
+            return (
+                None,
+                local or "the fused all-reduce's rendezvous failed on another rank (its log says why)",
+            )
     assert fused is not None
-    try:  # built on every rank before any launches: a rank that cannot build must not leave its peers waiting
-        fused.build(256)
+    # Built on every rank before any launch: a rank that cannot build must not leave its peers waiting.
+    widths = [w for w in ((256 if shared is None else None), width) if w]
+    try:
+        for w in dict.fromkeys(widths):
+            fused.build(w)
     except Exception as exc:  # noqa: BLE001 - the kernel does not build here
         local = f"the fused all-reduce's kernel does not build: {type(exc).__name__}: {exc}"
     if not _agree(local is None, group, device):
@@ -581,9 +593,11 @@ def _setup_fused(
             None,
             local or "the fused all-reduce's kernel does not build on another rank (its log says why)",
         )
+    if shared is not None:
+        return shared, None
     try:
         local = fused.self_test(rank)
-    except Exception as exc:  # noqa: BLE001 - the kernel failed to build or run here
+    except Exception as exc:  # noqa: BLE001 - the kernel failed to run here
         local = f"the fused all-reduce's self-test raised {type(exc).__name__}: {exc}"
     if not _agree(local is None, group, device):
         return None, local or "the fused all-reduce's self-test failed on another rank (its log says why)"
@@ -598,7 +612,8 @@ class TPComm:
     capped at :data:`SYMM_BUFFER_MAX_BYTES`); ``symm_one_shot_max`` its one-shot limit. Asking for
     ``symm`` is collective: every rank of the group constructs its TPComm together. ``fuse``: under
     ``symm``, also set up the fused all-reduce (:meth:`all_reduce_add`; a model running the Triton
-    kernels asks for it).
+    kernels asks for it), its kernel built for rows of ``fuse_width`` columns (the model's hidden size) at
+    construction, so none is built while the model serves.
     """
 
     def __init__(
@@ -611,6 +626,7 @@ class TPComm:
         max_bytes: int = SYMM_BUFFER_MAX_BYTES,
         symm_one_shot_max: int = SYMM_ONE_SHOT_MAX_BYTES,
         fuse: bool = False,
+        fuse_width: int | None = None,
     ) -> None:
         if comm not in COMM_MODES:
             raise ConfigError(f"comm={comm!r} is unknown; accepted: {', '.join(COMM_MODES)}")
@@ -644,7 +660,9 @@ class TPComm:
                 # Agreed first: _setup_fused is collective, and a rank without Triton asks for nothing.
                 if _agree(fuse, group, device):
                     assert dtype is not None  # symm was set up: the model's dtype is known
-                    self.fused, self.fused_reason = _setup_fused(group, device, dtype, max_bytes, self.rank)
+                    self.fused, self.fused_reason = _setup_fused(
+                        group, device, dtype, max_bytes, self.rank, fuse_width
+                    )
                 elif fuse:
                     self.fused_reason = "another rank did not ask for it (no Triton there?)"
                 if self.rank == 0:

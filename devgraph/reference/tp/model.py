@@ -164,9 +164,8 @@ class TPReferenceModel(ReferenceModel):
             dtype=config.dtype,
             max_bytes=message * config.dtype.itemsize,
             fuse=fuse_all_reduce and fused_kernels(config.kernels, device),
+            fuse_width=config.hidden_size,
         )
-        if self.comm.fused is not None:  # its forms for this width built now, not while serving
-            self.comm.fused.build(config.hidden_size)
         size = self.comm.world_size
         bad = [
             f"{name}={getattr(config, name)}"
