@@ -126,8 +126,11 @@ def _serve_model(model: Model, plan: Plan, work: Path, budget: Budget, data: dic
         served.stop()
         if ranks == 2:  # how the ranks all-reduced (DEVGRAPH_TP_COMM), and any fallback the comm logged
             served.record["tp_comm"] = os.environ.get(TP_COMM_ENV, "auto")
+            served.record["tp_fuse"] = os.environ.get("DEVGRAPH_TP_FUSE", "1 (default)")
             served.record["tp_comm_log"] = [
-                line.rstrip()[-400:] for line in served.server.stderr if "symm" in line.lower()
+                line.rstrip()[-400:]
+                for line in served.server.stderr
+                if "symm" in line.lower() or "fused all-reduce" in line.lower()
             ][-4:]
         failed = any(load.get("failed") for load in served.record.get("loads", {}).values())
         if failed or served.record.get("exit_code") not in (0, None) or "error" in served.record:

@@ -99,9 +99,12 @@ def test_fits_takes_decode_sized_steps_of_the_buffers_dtype_only():
     assert not fused.fits(x[:0], x[:0])  # nothing to reduce
     assert not fused.fits(x.float(), x.float())  # another dtype than the buffer's
     assert not fused.fits(x, x[:4])  # shapes differ
-    assert not fused.fits(x.t(), x.t())  # rows not contiguous
+    strided = torch.zeros(4096, 8, dtype=torch.bfloat16).t()  # [8, 4096], a row's elements 8 apart
+    assert fused.fits(strided.contiguous(), strided.contiguous()) and not fused.fits(strided, strided)
     wide = torch.zeros(1, FUSED_MAX_COLS * 2, dtype=torch.bfloat16)
-    assert not _fused_for(torch.empty(FUSED_MAX_COLS * 4, dtype=torch.bfloat16)).fits(wide, wide)
+    roomy = _fused_for(torch.empty(FUSED_PROGRAMS * FUSED_MAX_COLS * 2, dtype=torch.bfloat16))
+    narrower = torch.zeros(1, FUSED_MAX_COLS, dtype=torch.bfloat16)
+    assert roomy.fits(narrower, narrower) and not roomy.fits(wide, wide)  # past the widest row it keeps
     small = _fused_for(torch.empty(4 * 4096, dtype=torch.bfloat16))
     assert not small.fits(x, x)  # 8 rows do not fit a 4-row buffer
 

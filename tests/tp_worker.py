@@ -599,16 +599,18 @@ def symm(ctx: Ctx) -> dict[str, Any]:
 
 def fused(ctx: Ctx) -> dict[str, Any]:
     """The fused all-reduce + add (+ RMSNorm) kernel (``symm`` with Triton): on the CPU (gloo) nothing is set
-    up; on GPUs it equals NCCL's sum followed by the add-and-norm kernel, eagerly at every row count it takes
-    (and refuses one past them), inside two CUDA graphs of different row counts replayed alternately with
-    new inputs (the flags carry over between graphs), back to back 500 times, and in a decode graph of the
-    model against the same model with the all-reduce unfused."""
+    up; on GPUs it equals NCCL's sum followed by the add-and-norm kernel, eagerly at 1, 3, 64 and 128 rows of
+    two widths (and refuses 129), inside two CUDA graphs of different row counts replayed alternately with
+    new inputs (the flags carry over between graphs), in 48 calls back to back of mixed widths and row
+    counts with no host sync (ranks compared bit for bit), and in the model's eager steps and decode graphs
+    against the same model with the all-reduce unfused."""
     from devgraph.reference.tp.comm import FUSED_MAX_ROWS, TPComm
 
     dtype = torch.bfloat16
     direct = TPComm(ctx.group, "symm", ctx.device, dtype=dtype, max_bytes=4 << 20, fuse=True)
     out: dict[str, Any] = {
         "mode": direct.mode,
+        "fallback_reason": direct.fallback_reason,
         "fused": repr(direct.fused) if direct.fused is not None else None,
         "fused_reason": direct.fused_reason,
     }
@@ -716,6 +718,16 @@ def fused(ctx: Ctx) -> dict[str, Any]:
     out["back_to_back_digest"] = digest.hexdigest()  # every rank's outputs, to compare across ranks
     # The model: fused against unfused, eagerly before any capture, then replayed, then eagerly again; and
     # fused with no eager step before the capture.
+    from devgraph.reference.tp.comm import FusedAllReduce
+
+    fused_calls = [0]
+    launch = FusedAllReduce.all_reduce_add
+
+    def counted(self: Any, *args: Any) -> Any:
+        fused_calls[0] += 1
+        return launch(self, *args)
+
+    FusedAllReduce.all_reduce_add = counted  # type: ignore[method-assign]
     runs: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for label, fuse, eager_first in (("fused", True, True), ("unfused", False, True), ("late", True, False)):
         model = TPReferenceModel(
@@ -725,10 +737,14 @@ def fused(ctx: Ctx) -> dict[str, Any]:
         out[f"model_{label}_fused"] = model.comm.fused is not None
         batches = {n: make_decode_batch(model, n, seq_lens=16, seed=n) for n in DECODE_SIZES}
         runs[label] = {n: {} for n in DECODE_SIZES}
+        calls_before = fused_calls[0]
         with torch.no_grad():
             for n, batch in batches.items():
                 if eager_first:
                     runs[label][n]["eager_before"] = model.decode_step(**batch).float()
+        # How many fused calls the eager steps made: two a layer a step where the model took the kernel.
+        out[f"model_{label}_eager_fused_calls"] = fused_calls[0] - calls_before
+        out["layers"] = model.config.num_layers
         runner = tp_decode_runner(model, mode="full", sizes=DECODE_SIZES, check_lockstep=True)
         runner.capture()
         with torch.no_grad():

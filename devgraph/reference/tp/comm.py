@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -458,39 +459,57 @@ class FusedAllReduce:
 
         build(width, self.data.dtype, rank=self.rank, world_size=self.world_size, programs=self.programs)
 
-    def self_test(self, rank: int) -> str | None:
+    def self_test(self, rank: int, agree: Callable[[bool], bool]) -> str | None:
         """The fused kernel against a plain sum on known values (collective), with and without the norm,
         for one row and for the most rows it takes, new values every call; what went wrong here, if
         anything. The sums must be exact (the same additions in the same order); the norm within
-        rounding (its sum of squares in another order)."""
-        device, dtype = self.data.device, self.data.dtype
+        rounding (its sum of squares in another order). ``agree``: whether every rank says so (a
+        collective); every rank agrees its inputs are ready before each launch, so a rank that cannot
+        make them does not leave its peers' kernels waiting for its flags, and every rank runs every
+        check (the first failure is kept, never returned early)."""
+        device = self.data.device
         cols = 256
         most = min(self.max_rows, (self.data.numel() // self.programs // cols) * self.programs)
-        if most < 1:
+        if most < 1:  # the same on every rank: one buffer size
             return f"its buffer ({self.data.numel()} elements) is too small for a row per program"
+        failure: str | None = None
         for call, rows in enumerate(r for r in (1, 1, most, 3) if r <= most):
-            generator = torch.Generator(device=device).manual_seed(1234 + call)
-            everyone = torch.randn(
-                (self.world_size, rows, cols), generator=generator, device=device, dtype=torch.float32
-            ).to(dtype)
-            residual = torch.randn((rows, cols), generator=generator, device=device).to(dtype)
-            weight = torch.rand(cols, generator=generator, device=device).to(dtype)
-            summed = everyone[0].float()
-            for other in everyone[1:]:  # rank order, in float32, as the kernel adds
-                summed = summed + other.float()
-            want_total = (summed.to(dtype).float() + residual.float()).to(dtype)
-            tf = want_total.float()
-            scaled = (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
-            want_normed = (weight.float() * scaled).to(dtype)
+            made: tuple[torch.Tensor, ...] | None = None
+            try:
+                made = self._test_values(rows, cols, 1234 + call)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: no launch on any rank
+                failure = failure or f"fused self-test could not make its values: {type(exc).__name__}: {exc}"
+            if not agree(made is not None):
+                return failure or "another rank could not make the fused self-test's values"
+            assert made is not None
+            everyone, residual, weight, want_total, want_normed = made
             normed, total = self.all_reduce_add(everyone[rank].contiguous(), residual, weight, 1e-6)
             _, plain = self.all_reduce_add(everyone[rank].contiguous(), residual, None, 1e-6)
             torch.cuda.synchronize(device)
             # A stale or missing peer row is off by whole units, and so is a row read before it was written.
             if not (torch.equal(total, want_total) and torch.equal(plain, want_total)):
-                return f"fused self-test on {rows}x{cols}: the sums differ from the plain sum"
-            if not torch.allclose(normed.float(), want_normed.float(), rtol=1e-2, atol=1e-2):
-                return f"fused self-test on {rows}x{cols}: the norm differs from the plain norm"
-        return None
+                failure = failure or f"fused self-test on {rows}x{cols}: the sums differ from the plain sum"
+            elif not torch.allclose(normed.float(), want_normed.float(), rtol=1e-2, atol=1e-2):
+                failure = failure or f"fused self-test on {rows}x{cols}: the norm differs from the plain norm"
+        return failure
+
+    def _test_values(self, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, ...]:
+        """Every rank's partials, a residual, a norm weight, and the sums and norm they must give."""
+        device, dtype = self.data.device, self.data.dtype
+        generator = torch.Generator(device=device).manual_seed(seed)
+        everyone = torch.randn(
+            (self.world_size, rows, cols), generator=generator, device=device, dtype=torch.float32
+        ).to(dtype)
+        residual = torch.randn((rows, cols), generator=generator, device=device).to(dtype)
+        weight = torch.rand(cols, generator=generator, device=device).to(dtype)
+        summed = everyone[0].float()
+        for other in everyone[1:]:  # rank order, in float32, as the kernel adds
+            summed = summed + other.float()
+        want_total = (summed.to(dtype).float() + residual.float()).to(dtype)
+        tf = want_total.float()
+        scaled = (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+        want_normed = (weight.float() * scaled).to(dtype)
+        return everyone, residual, weight, want_total, want_normed
 
     def __repr__(self) -> str:
         return (
@@ -596,7 +615,7 @@ def _setup_fused(
     if shared is not None:
         return shared, None
     try:
-        local = fused.self_test(rank)
+        local = fused.self_test(rank, lambda ok: _agree(ok, group, device))
     except Exception as exc:  # noqa: BLE001 - the kernel failed to run here
         local = f"the fused all-reduce's self-test raised {type(exc).__name__}: {exc}"
     if not _agree(local is None, group, device):
@@ -665,6 +684,13 @@ class TPComm:
                     )
                 elif fuse:
                     self.fused_reason = "another rank did not ask for it (no Triton there?)"
+                if fuse and self.fused is None:
+                    logger.warning(
+                        "tensor-parallel all-reduce: the fused all-reduce + add + norm was asked and is not "
+                        "used (rank %d): %s; the all-reduce and the add and norm run apart",
+                        self.rank,
+                        self.fused_reason,
+                    )
                 if self.rank == 0:
                     logger.info(
                         "tensor-parallel all-reduce: symmetric memory, %r; fused with the add and norm: %s",
