@@ -163,3 +163,104 @@ def test_peer_addresses_follow_the_handles_offset_or_are_refused():
     assert _peer_addresses(_Handle([5000, here - 64], offset=64), tensor, 1) == [5064, here]
     with pytest.raises(ConfigError, match="cannot locate"):
         _peer_addresses(_Handle([here + 4096, 1000]), tensor, 0)
+
+
+# -- the flag protocol, modelled: every interleaving the GPUs may take ---------------------------------------
+# A model of the kernel's protocol (triton_all_reduce.py, steps 1-5), run step by step under random
+# schedules: each rank runs its calls in order (one stream), a call's programs run in any order against
+# every other rank's, and each read of a peer's row checks it holds that call's value. It tests the design
+# (flags per program and peer, the fixed row-to-program map, each program's slab); the PTX is the cubin
+# test's and the GPUs' (tests/test_tp.py).
+def _slab_layout(program: int, index: int, cols: int, slab: int) -> int:
+    return program * slab + index * cols
+
+
+def _row_layout(program: int, index: int, cols: int, slab: int, programs: int = 4) -> int:
+    return (index * programs + program) * cols  # rows packed by row number: the layout before the slabs
+
+
+def _run_protocol(calls, ranks, programs, numel, layout, seed):  # type: ignore[no-untyped-def]
+    import random
+
+    rng = random.Random(seed)
+    slab = numel // programs
+    memory = [[None] * numel for _ in range(ranks)]
+    # flags[rank][kind][program][peer]; done flags start set, as FusedAllReduce.create leaves them
+    flags = [
+        {"ready": [[0] * ranks for _ in range(programs)], "done": [[1] * ranks for _ in range(programs)]}
+        for _ in range(ranks)
+    ]
+    problems: list[str] = []
+
+    def program_steps(rank, call, rows, cols, b):  # type: ignore[no-untyped-def]
+        peers = [p for p in range(ranks) if p != rank]
+        for p in peers:  # 1. every peer done with this program's rows of its last call
+            while not flags[rank]["done"][b][p]:
+                yield
+            flags[rank]["done"][b][p] = 0
+        mine = list(range(b, rows, programs))
+        for i, row in enumerate(mine):  # 2. this rank's rows into its buffer
+            for c in range(cols):
+                memory[rank][layout(b, i, cols, slab) + c] = (call, rank, row, c)
+                yield
+        for p in peers:  # 3. ready to every peer, then every peer's ready
+            flags[p]["ready"][b][rank] = 1
+        yield
+        for p in peers:
+            while not flags[rank]["ready"][b][p]:
+                yield
+            flags[rank]["ready"][b][p] = 0
+        for i, row in enumerate(mine):  # 4. read every peer's rows
+            for p in peers:
+                for c in range(cols):
+                    got = memory[p][layout(b, i, cols, slab) + c]
+                    if got != (call, p, row, c):
+                        problems.append(f"call {call} rank {rank} program {b} row {row}: read {got}")
+                    yield
+        for p in peers:  # 5. done reading
+            flags[p]["done"][b][rank] = 1
+        yield
+
+    def rank_calls(rank):  # type: ignore[no-untyped-def]
+        for call, (rows, cols) in enumerate(calls):  # one call after another: the stream's order
+            running = [program_steps(rank, call, rows, cols, b) for b in range(min(rows, programs))]
+            while running:  # the call's programs in any order
+                step = rng.choice(running)
+                try:
+                    next(step)
+                except StopIteration:
+                    running.remove(step)
+                yield
+
+    streams = [rank_calls(r) for r in range(ranks)]
+    for _ in range(2_000_000):
+        if not streams or problems:
+            break
+        stream = rng.choice(streams)
+        try:
+            next(stream)
+        except StopIteration:
+            streams.remove(stream)
+    assert not streams or problems, "the protocol did not finish: a deadlock"
+    return problems
+
+
+_MIXED_CALLS = [(1, 2), (6, 3), (3, 2), (9, 1), (2, 3), (5, 2), (1, 3), (8, 2)] * 3
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_protocol_with_slabs_never_reads_a_row_another_call_wrote(ranks):
+    for seed in range(40):
+        assert (
+            _run_protocol(_MIXED_CALLS, ranks, programs=4, numel=4 * 8, layout=_slab_layout, seed=seed) == []
+        )
+
+
+def test_the_protocol_without_slabs_is_caught_reading_a_row_of_another_width():
+    # The layout before the adversarial reading: a call of another width overwrites a row a peer's other
+    # program still reads. The model must find it, or it proves nothing above.
+    found = [
+        _run_protocol(_MIXED_CALLS, 2, programs=4, numel=4 * 8, layout=_row_layout, seed=seed)
+        for seed in range(40)
+    ]
+    assert any(found), "no schedule caught the unslabbed layout"
