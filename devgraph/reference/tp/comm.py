@@ -68,10 +68,11 @@ SYMM_ONE_SHOT_MAX_BYTES = 512 << 10
 SYMM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 _ALIGN = 16  # the kernels' widest vector; a partial at a 16-byte offset takes the fused one-kernel path
 
-# The fused all-reduce (FusedAllReduce) takes steps of up to this many rows (tokens): its grid is fixed at
+# The fused all-reduce (FusedAllReduce) takes steps of up to this many rows (tokens): it launches at most
 # FUSED_PROGRAMS programs, each reducing its rows one after another, so a long prefill is better served by
-# the unfused path's wide kernels. 128 rows covers decode batches up to 128; benchmarks/bench_tp_comm.py
-# times both paths by rows.
+# the unfused path's wide kernels. 128 rows covers decode batches up to 128. A first choice, not a tuned
+# one: benchmarks/bench_tp_comm.py times both paths in a decode step at batch 1 and 64 only (the fused one
+# 0.97-0.98x there, docs/tensor-parallel.md); where the two cross between 64 and 128 rows is not measured.
 FUSED_MAX_ROWS = 128
 FUSED_PROGRAMS = 32
 # The widest hidden size the fused kernel keeps in one program's registers (a row per program at a time).
