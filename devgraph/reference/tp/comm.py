@@ -395,9 +395,6 @@ class FusedAllReduce:
     def create(cls, group: Any, device: torch.device, dtype: torch.dtype, capacity: int) -> FusedAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
-        # Imported here so a missing Triton fails before any collective allocation.
-        import devgraph.reference.tp.triton_all_reduce  # noqa: F401
-
         name = group.group_name
         world = torch.distributed.get_world_size(group)
         numel = max(8, capacity // torch.empty((), dtype=dtype).element_size())
@@ -460,16 +457,15 @@ class FusedAllReduce:
 
         build(width, self.data.dtype, rank=self.rank, world_size=self.world_size, programs=self.programs)
 
-    def self_test(self, rank: int, agree: Callable[[bool], bool]) -> str | None:
+    def self_test(self, cols: int, agree: Callable[[bool], bool]) -> str | None:
         """The fused kernel against a plain sum on known values (collective), with and without the norm,
-        for one row and for the most rows it takes, new values every call; what went wrong here, if
-        anything. The sums must be exact (the same additions in the same order); the norm within
-        rounding (its sum of squares in another order). ``agree``: whether every rank says so (a
-        collective); every rank agrees its inputs are ready before each launch, so a rank that cannot
-        make them does not leave its peers' kernels waiting for its flags, and every rank runs every
-        check (the first failure is kept, never returned early)."""
-        device = self.data.device
-        cols = 256
+        for one row and for the most rows it takes of ``cols`` columns (a width it was built for), new
+        values every call; what went wrong here, if anything. The sums must be exact (the same additions
+        in the same order); the norm within rounding (its sum of squares in another order). ``agree``:
+        whether every rank says so (a collective); every rank agrees its inputs are ready before each
+        launch, so a rank that cannot make them does not leave its peers' kernels waiting for its flags,
+        and every rank runs every check (the first failure is kept, never returned early)."""
+        device, rank = self.data.device, self.rank
         most = min(self.max_rows, (self.data.numel() // self.programs // cols) * self.programs)
         if most < 1:  # the same on every rank: one buffer size
             return f"its buffer ({self.data.numel()} elements) is too small for a row per program"
@@ -566,11 +562,12 @@ def _setup_symm(
 
 
 def _setup_fused(
-    group: Any, device: torch.device, dtype: torch.dtype, capacity: int, rank: int, width: int | None
+    group: Any, device: torch.device, dtype: torch.dtype, capacity: int, width: int | None
 ) -> tuple[FusedAllReduce | None, str | None]:
     """The group's fused all-reduce, or why not (collective, after ``symm`` was set up on every rank):
     shared with another model on the group where its buffer is large enough, else made and self-tested;
-    its kernel built for ``width`` columns (the model's hidden size) on every rank before any launch."""
+    its kernel built for ``width`` columns (the model's hidden size; 256 without one) on every rank before
+    any launch, and self-tested at that width."""
     local: str | None = None
     try:
         import devgraph.reference.tp.triton_all_reduce  # noqa: F401
@@ -602,10 +599,9 @@ def _setup_fused(
             )
     assert fused is not None
     # Built on every rank before any launch: a rank that cannot build must not leave its peers waiting.
-    widths = [w for w in ((256 if shared is None else None), width) if w]
+    width = width or 256
     try:
-        for w in dict.fromkeys(widths):
-            fused.build(w)
+        fused.build(width)
     except Exception as exc:  # noqa: BLE001 - the kernel does not build here
         local = f"the fused all-reduce's kernel does not build: {type(exc).__name__}: {exc}"
     if not _agree(local is None, group, device):
@@ -616,7 +612,7 @@ def _setup_fused(
     if shared is not None:
         return shared, None
     try:
-        local = fused.self_test(rank, lambda ok: _agree(ok, group, device))
+        local = fused.self_test(width, lambda ok: _agree(ok, group, device))
     except Exception as exc:  # noqa: BLE001 - the kernel failed to run here
         local = f"the fused all-reduce's self-test raised {type(exc).__name__}: {exc}"
     if not _agree(local is None, group, device):
@@ -680,9 +676,7 @@ class TPComm:
                 # Agreed first: _setup_fused is collective, and a rank without Triton asks for nothing.
                 if _agree(fuse, group, device):
                     assert dtype is not None  # symm was set up: the model's dtype is known
-                    self.fused, self.fused_reason = _setup_fused(
-                        group, device, dtype, max_bytes, self.rank, fuse_width
-                    )
+                    self.fused, self.fused_reason = _setup_fused(group, device, dtype, max_bytes, fuse_width)
                 elif fuse:
                     self.fused_reason = "another rank did not ask for it (no Triton there?)"
                 if fuse and self.fused is None:

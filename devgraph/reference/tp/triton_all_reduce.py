@@ -32,8 +32,7 @@ as torch's own symmetric-memory kernels do: it sets a peer's flag with a release
 after a barrier of the program's threads (so their writes and reads come before it), and waits on its
 own with acquire loads, clearing each flag it saw, before a barrier releases the other threads. A wait
 that sees nothing for :data:`WAIT_LIMIT_NS` traps (a CUDA error) instead of hanging the GPU when a peer
-is gone. Only one call may be in flight per buffer, which the stream order gives: the calls of one rank
-run one after another on one stream.
+is gone.
 """
 
 from __future__ import annotations
@@ -146,6 +145,7 @@ def _all_reduce_add_kernel(
     mask = cols < n_cols
     dtype = partial_ptr.dtype.element_ty
 
+    own = tl.cast(pid, tl.int64) * slab  # where this program's rows start in every rank's buffer
     local_flags = tl.load(flag_bases + RANK)  # this rank's flag array (int64 address)
     done_here = local_flags + 4 * (PROGRAMS * WORLD + pid * WORLD)  # + 4 * peer: that peer's done
     ready_here = local_flags + 4 * (pid * WORLD)  # + 4 * peer: that peer's ready
@@ -160,7 +160,7 @@ def _all_reduce_add_kernel(
     for row in range(pid, rows, PROGRAMS):
         r64 = tl.cast(row, tl.int64)
         x = tl.load(partial_ptr + r64 * stride_p + cols, mask=mask, other=0.0)
-        tl.store(local_ptr + tl.cast(pid, tl.int64) * slab + (r64 // PROGRAMS) * n_cols + cols, x, mask=mask)
+        tl.store(local_ptr + own + (r64 // PROGRAMS) * n_cols + cols, x, mask=mask)
 
     # 3. ready: every thread's copy before the release stores, every peer's before any read.
     tl.debug_barrier()
@@ -181,11 +181,7 @@ def _all_reduce_add_kernel(
                 x = tl.load(partial_ptr + r64 * stride_p + cols, mask=mask, other=0.0)
             else:
                 base = tl.load(buffer_bases + p).to(tl.pointer_type(dtype))
-                x = tl.load(
-                    base + tl.cast(pid, tl.int64) * slab + (r64 // PROGRAMS) * n_cols + cols,
-                    mask=mask,
-                    other=0.0,
-                )
+                x = tl.load(base + own + (r64 // PROGRAMS) * n_cols + cols, mask=mask, other=0.0)
             acc += x.to(tl.float32)
         summed = acc.to(dtype).to(tl.float32)
         res = tl.load(residual_ptr + r64 * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -247,8 +243,9 @@ def all_reduce_add(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(residual + sum(partials)) * weight, residual + sum(partials))`` for ``[N, H]`` rows (the
     first is an empty tensor when ``weight`` is None). ``local``, ``buffer_bases`` and ``flag_bases`` are
-    the group's symmetric state (:class:`devgraph.reference.tp.comm.FusedAllReduce`); ``local`` holds at
-    least ``N * H`` elements. Every rank calls it with the same shapes."""
+    the group's symmetric state (:class:`devgraph.reference.tp.comm.FusedAllReduce`); each of ``local``'s
+    ``programs`` slabs holds the rows of its program (``ceil(N / programs) * H`` elements). Every rank
+    calls it with the same shapes."""
     rows, cols = partial.shape
     total = torch.empty((rows, cols), device=partial.device, dtype=partial.dtype)
     normed = torch.empty_like(total) if weight is not None else total.new_empty((0, cols))
