@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness.profile import kernel_times
 
 SIZES = (1, 8, 32, 64, 256)
 HIDDEN = 4096
@@ -223,22 +224,7 @@ def micro(r: Rank, device: torch.device) -> None:
 def _kernel_table(step: Callable[[], Any], steps: int, top: int = 14) -> dict[str, float]:
     """Device microseconds per step by kernel name (torch.profiler over ``steps`` steps), the ``top``
     kernels and the rest summed; "total" is every kernel's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.no_grad():
-        step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.key_averages():
-        spent = getattr(event, "self_device_time_total", None)
-        if spent is None:
-            spent = getattr(event, "self_cuda_time_total", 0.0)
-        if spent:
-            times[event.key[:90]] = times.get(event.key[:90], 0.0) + float(spent) / steps
+    times = {name[:90]: us for name, (_, us) in kernel_times(step, steps).items()}
     ranked = sorted(times.items(), key=lambda item: -item[1])
     table = {name: round(us, 2) for name, us in ranked[:top]}
     table["(the rest)"] = round(sum(us for _, us in ranked[top:]), 2)

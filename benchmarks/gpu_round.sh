@@ -89,6 +89,10 @@ run_step() {  # run_step NAME: one step, its limit, its command
     serve_small_unfused) limit=200 cmd="PYTHONFAULTHANDLER=1 DEVGRAPH_TP_FUSE=0 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-small-unfused.json --models small --time-budget 180 --no-fp32 --tp-comm symm" ;;
     serve_8b_only) limit=300 cmd="PYTHONFAULTHANDLER=1 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-8b.json --models 8b --time-budget 280 --no-fp32 --tp-comm symm" ;;
     serve_tp_tests) limit=180 cmd="pytest_json serve-tp-tests 150 -m multi_gpu tests/test_serve_tp.py" ;;
+    linear) limit=200 cmd="$PY benchmarks/bench_linear.py --out $R/linear.json --time-budget 170" ;;
+    linear_models) limit=150 cmd="$PY benchmarks/bench_linear.py --out $R/linear-models.json --rows 1 --time-budget 130" ;;
+    linear_check) limit=150 cmd="pytest_json linear-check 120 -m cuda --tb=long tests/test_sanitizer.py tests/test_triton_linear.py tests/test_fused.py" ;;
+    linear_tests) limit=200 cmd="pytest_json linear-tests 120 -m cuda tests/test_triton_linear.py tests/test_fused.py tests/test_reference.py tests/test_kernels.py" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit
     *)

@@ -156,6 +156,11 @@ class _Builds:
         if self.fail:
             raise RuntimeError("no compiler here")
 
+    def build_linear(self, dtype: torch.dtype) -> None:  # the projections' kernels (triton_linear)
+        import threading
+
+        self.calls.append(("linear", dtype, threading.current_thread().name))
+
 
 def test_triton_is_set_up_once_per_process_on_a_thread_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     from devgraph.reference import fused
@@ -163,13 +168,17 @@ def test_triton_is_set_up_once_per_process_on_a_thread_of_its_own(monkeypatch: p
     builds = _Builds()
     monkeypatch.setattr(fused, "TRITON_SET_UP", {})
     monkeypatch.setattr(fused, "_ops", lambda: builds)
+    monkeypatch.setattr(fused, "_linear_ops", lambda: builds)
     thread = fused.set_up_triton("triton", GPU, 3072, torch.bfloat16)
     assert thread is not None
     thread.join(10)
-    assert builds.calls == [(3072, torch.bfloat16, "devgraph-triton-set-up")]
+    assert builds.calls == [
+        (3072, torch.bfloat16, "devgraph-triton-set-up"),
+        ("linear", torch.bfloat16, "devgraph-triton-set-up"),
+    ]
     assert isinstance(fused.TRITON_SET_UP["seconds"], float) and "error" not in fused.TRITON_SET_UP
     assert fused.set_up_triton("triton", GPU, 3072, torch.bfloat16) is None  # once per process
-    assert len(builds.calls) == 1
+    assert len(builds.calls) == 2
 
 
 def test_a_failed_set_up_is_recorded_and_raises_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,6 +187,7 @@ def test_a_failed_set_up_is_recorded_and_raises_nowhere(monkeypatch: pytest.Monk
     builds = _Builds(fail=True)
     monkeypatch.setattr(fused, "TRITON_SET_UP", {})
     monkeypatch.setattr(fused, "_ops", lambda: builds)
+    monkeypatch.setattr(fused, "_linear_ops", lambda: builds)
     thread = fused.set_up_triton("triton", GPU, 64, torch.float16)
     assert thread is not None
     thread.join(10)
@@ -190,6 +200,7 @@ def test_a_model_on_the_cpu_starts_no_set_up(monkeypatch: pytest.MonkeyPatch) ->
     builds = _Builds()
     monkeypatch.setattr(fused, "TRITON_SET_UP", {})
     monkeypatch.setattr(fused, "_ops", lambda: builds)
+    monkeypatch.setattr(fused, "_linear_ops", lambda: builds)
     ReferenceModel(ReferenceConfig.preset("tiny", kernels="auto"), seed=0)
     assert fused.TRITON_SET_UP == {} and builds.calls == []
 
@@ -205,6 +216,9 @@ def test_on_a_gpu_the_set_up_builds_the_kernel_the_model_launches() -> None:
         thread.join(120)
     assert "error" not in fused.TRITON_SET_UP, fused.TRITON_SET_UP
     triton_fused.build_silu_mul(96, torch.bfloat16)  # the kernel is there: no error, nothing launched
+    from devgraph.reference.kernels import triton_linear
+
+    triton_linear.build_linear(torch.bfloat16)  # the projections' kernels too
     gate_up = torch.randn(3, 192, device="cuda", dtype=torch.bfloat16)
     ref, out = silu_mul(gate_up, False).float(), silu_mul(gate_up, True).float()
     assert ((out - ref).abs() <= 2 * 2.0**-7 * ref.abs().clamp_min(1)).all()  # as the test above judges it

@@ -230,13 +230,20 @@ def test_a_draft_graph_after_sleep_and_wake_is_stopped_before_it_reads_freed_mem
     # Sleep (level 2): the engine gives every weight's memory back and keeps the tensor objects (as a
     # sleep-mode allocator unmapping it does); the target's runner is released first, the draft's is not.
     sizes = [param.untyped_storage().nbytes() for param in draft.parameters()]
+    before = [param.untyped_storage().data_ptr() for param in draft.parameters()]
     for param in draft.parameters():
         param.untyped_storage().resize_(0)
+    # What was given back goes to others meanwhile (without this, a caching allocator may hand the same
+    # blocks straight back to the resize below, and the graphs would then read the reloaded weights).
+    others = [torch.empty(nbytes, dtype=torch.uint8, device=device) for nbytes in sizes]
     # Wake: memory mapped again (elsewhere) and the weights reloaded into it; the draft's graphs stay.
     for param, reloaded, nbytes in zip(draft.parameters(), target.parameters(), sizes, strict=True):
         param.untyped_storage().resize_(nbytes)
         with torch.no_grad():
             param.copy_(reloaded)
+    after = [param.untyped_storage().data_ptr() for param in draft.parameters()]
+    assert all(new != old for new, old in zip(after, before, strict=True))  # the premise: every one moved
+    del others
     with pytest.raises(ReplayError, match=r"(moved to new memory|was freed).*runner\.refresh\(\)"):
         draft_runner.run(**batch)
     draft_runner.refresh()  # what the message asks: capture again on the new weights

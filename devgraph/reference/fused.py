@@ -6,6 +6,9 @@
   ops: opaque to dynamo and inductor (the compiling strategies keep each as one call, as they keep the
   attention kernels) and captured whole by device graphs. They round where the torch form rounds, so they
   differ from it only in a reduction's order and a math function's last bit.
+  The projections take the same road: one op (:func:`linear`) that runs a Triton matrix-vector kernel
+  (``devgraph.reference.kernels.triton_linear``) for a decode step's few rows where the sweep found it
+  faster than cuBLAS, and cuBLAS otherwise.
 
 On a GPU a decode step of the reference decoder launches about 40 kernels per layer in the torch form and
 about 12 in the fused one; in a replayed graph, where launches are cheap but every kernel still costs
@@ -35,6 +38,7 @@ __all__ = [
     "TRITON_SET_UP",
     "add_rms_norm",
     "fused_kernels",
+    "linear",
     "qk_norm_rope",
     "rms_norm",
     "set_up_triton",
@@ -69,10 +73,10 @@ def set_up_triton(
     """Start Triton's one-time set-up on a daemon thread, once per process, where a model built with
     ``config.kernels`` for ``device`` runs the Triton kernels on a GPU (``None`` otherwise, and when it ran
     already). A model calls it first thing, so the set-up (and the build of one kernel the model uses, its
-    SiLU-and-multiply over ``width`` columns of ``dtype``) runs while the weights are drawn or loaded
-    instead of inside the first capture. It launches nothing and allocates no device memory
-    (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged and leaves the
-    first launch to do the set-up as before."""
+    SiLU-and-multiply over ``width`` columns of ``dtype``, then the projections' kernels) runs while the
+    weights are drawn or loaded instead of inside the first capture. It launches nothing and allocates no
+    device memory (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged
+    and leaves the first launch to do the set-up as before."""
     if TRITON_SET_UP or device.type != "cuda" or not fused_kernels(kernels, device):
         return None
     TRITON_SET_UP["started"] = True
@@ -81,6 +85,7 @@ def set_up_triton(
         start = time.perf_counter()
         try:
             _ops().build_silu_mul(width, dtype)
+            _linear_ops().build_linear(dtype)
         except Exception as exc:  # an optimisation: the first launch does the same work
             TRITON_SET_UP["error"] = repr(exc)
             logger.debug("Triton's set-up in the background failed: %r", exc)
@@ -93,6 +98,10 @@ def set_up_triton(
 
 def _ops():  # type: ignore[no-untyped-def]
     return importlib.import_module("devgraph.reference.kernels.triton_fused")
+
+
+def _linear_ops():  # type: ignore[no-untyped-def]
+    return importlib.import_module("devgraph.reference.kernels.triton_linear")
 
 
 # -- torch forms ---------------------------------------------------------------------------------------
@@ -142,6 +151,20 @@ def _(qk, weight, cos, sin, eps):  # type: ignore[no-untyped-def]
     return torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
 
 
+@torch.library.custom_op("devgraph_ref::linear", mutates_args=())
+def _linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - torch derives the op schema from it
+) -> torch.Tensor:
+    return _linear_ops().linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):  # type: ignore[no-untyped-def]
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.custom_op("devgraph_ref::silu_mul", mutates_args=())
 def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
     return _ops().silu_mul(gate_up)
@@ -183,6 +206,18 @@ def qk_norm_rope(
     if weight is not None:
         qk = _torch_rms_norm(qk, weight, eps)
     return apply_rope(qk, cos[:, None], sin[:, None])
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - kept alike the op's signature
+    fused: bool,
+) -> torch.Tensor:
+    """``x [T, K] @ weight [N, K].T (+ bias)``. Fused: one op that runs the Triton matrix-vector kernel
+    for the few rows of a decode step where it is faster than cuBLAS and ``F.linear`` otherwise, decided
+    inside the op from the shapes at hand, so a compiled forward neither guards nor recompiles on them."""
+    return _linear_op(x, weight, bias) if fused else F.linear(x, weight, bias)
 
 
 def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -16,6 +16,7 @@ from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.fused import (
     add_rms_norm,
     fused_kernels,
+    linear,
     qk_norm_rope,
     rms_norm,
     set_up_triton,
@@ -202,15 +203,16 @@ class DecoderLayer(nn.Module):
         n = hidden.shape[0]
         # Heads first, then split: views of the contiguous projection only. (Splitting the flat projection
         # and viewing each part makes inductor's view lowering guard on n > 1: a second compile for n = 1.)
-        qkv = F.linear(self.input_norm(hidden), self.qkv_proj, self.qkv_bias).view(n, -1, self.head_dim)
+        normed = self.input_norm(hidden)
+        qkv = linear(normed, self.qkv_proj, self.qkv_bias, self.fused).view(n, -1, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
         scale = None if self.qk_norm is None else self.qk_norm.weight
         qk = qk_norm_rope(qk, scale, cos, sin, self.rms_eps, self.fused)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        attn = F.linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj)
+        attn = linear(self.attend(q, k, v, meta).reshape(n, -1), self.o_proj, None, self.fused)
         normed, hidden = self.reduce_add_norm(attn, hidden)
-        mlp = silu_mul(F.linear(normed, self.gate_up_proj), self.fused)
-        return self.reduce_add(F.linear(mlp, self.down_proj), hidden)
+        mlp = silu_mul(linear(normed, self.gate_up_proj, None, self.fused), self.fused)
+        return self.reduce_add(linear(mlp, self.down_proj, None, self.fused), hidden)
 
     def reduce_add_norm(
         self, partial: torch.Tensor, residual: torch.Tensor
@@ -271,8 +273,8 @@ class ReferenceModel(nn.Module):
         shape, dtype = (config.vocab_size, config.hidden_size), config.dtype
         self.embed = draw_weight(generator, shape, config.hidden_size, device, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, generator, device) for _ in range(config.num_layers))
-        fused = fused_kernels(config.kernels, device)
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=dtype, fused=fused)
+        self.fused = fused_kernels(config.kernels, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps, device=device, dtype=dtype, fused=self.fused)
         self.lm_head = (
             None
             if config.tie_embeddings
@@ -326,7 +328,7 @@ class ReferenceModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over final-normed hidden states: ``[..., hidden_size] -> [..., vocab_size]``."""
-        return F.linear(hidden, self.embed if self.lm_head is None else self.lm_head)
+        return linear(hidden, self.embed if self.lm_head is None else self.lm_head, None, self.fused)
 
     def decode_step(
         self,

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from devgraph import ConfigError
 from devgraph.reference.config import ReferenceConfig
-from devgraph.reference.fused import fused_kernels, set_up_triton
+from devgraph.reference.fused import fused_kernels, linear, set_up_triton
 from devgraph.reference.model import (
     WEIGHT_INITS,
     DecoderLayer,
@@ -187,9 +186,9 @@ class TPReferenceModel(ReferenceModel):
         self.layers = nn.ModuleList(
             TPDecoderLayer(config, draw, self.comm, device) for _ in range(config.num_layers)
         )
-        fused = fused_kernels(config.kernels, device)
+        self.fused = fused_kernels(config.kernels, device)
         self.norm = RMSNorm(
-            config.hidden_size, config.rms_eps, device=device, dtype=config.dtype, fused=fused
+            config.hidden_size, config.rms_eps, device=device, dtype=config.dtype, fused=self.fused
         )
         # An untied LM head is vocab-parallel too: this rank's rows, drawn last as ReferenceModel draws it.
         self.lm_head = None
@@ -212,12 +211,13 @@ class TPReferenceModel(ReferenceModel):
         """Vocab-parallel LM head: this rank's vocabulary slice, then an all-gather -> ``[T, vocab]``."""
         size = self.comm.world_size
         if self.lm_head is not None:  # already this rank's vocabulary slice
-            local = F.linear(hidden, self.lm_head)
+            local = linear(hidden, self.lm_head, None, self.fused)
         elif size == 1:
-            return F.linear(hidden, self.embed)
+            return linear(hidden, self.embed, None, self.fused)
         else:
             part = self.config.vocab_size // size
-            local = F.linear(hidden, self.embed[self.comm.rank * part : (self.comm.rank + 1) * part])
+            rows = self.embed[self.comm.rank * part : (self.comm.rank + 1) * part]
+            local = linear(hidden, rows, None, self.fused)
         if size == 1:
             return local
         part = self.config.vocab_size // size
