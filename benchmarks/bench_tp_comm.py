@@ -224,7 +224,9 @@ def micro(r: Rank, device: torch.device) -> None:
 def _kernel_table(step: Callable[[], Any], steps: int, top: int = 14) -> dict[str, float]:
     """Device microseconds per step by kernel name (torch.profiler over ``steps`` steps), the ``top``
     kernels and the rest summed; "total" is every kernel's."""
-    times = {name[:90]: us for name, (_, us) in kernel_times(step, steps).items()}
+    times: dict[str, float] = {}
+    for name, (_, us) in kernel_times(step, steps).items():  # names cut to 90 characters may meet: summed
+        times[name[:90]] = times.get(name[:90], 0.0) + us
     ranked = sorted(times.items(), key=lambda item: -item[1])
     table = {name: round(us, 2) for name, us in ranked[:top]}
     table["(the rest)"] = round(sum(us for _, us in ranked[top:]), 2)

@@ -156,7 +156,7 @@ class _Builds:
         if self.fail:
             raise RuntimeError("no compiler here")
 
-    def build_linear(self, dtype: torch.dtype) -> None:  # the projections' kernels (triton_linear)
+    def build_linear(self, dtype: torch.dtype, has_bias: bool = False) -> None:  # the projections' kernels
         import threading
 
         self.calls.append(("linear", dtype, threading.current_thread().name))

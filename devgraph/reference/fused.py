@@ -68,15 +68,16 @@ def fused_kernels(kernels: str, device: torch.device) -> bool:
 
 
 def set_up_triton(
-    kernels: str, device: torch.device, width: int, dtype: torch.dtype
+    kernels: str, device: torch.device, width: int, dtype: torch.dtype, *, bias: bool = False
 ) -> threading.Thread | None:
     """Start Triton's one-time set-up on a daemon thread, once per process, where a model built with
     ``config.kernels`` for ``device`` runs the Triton kernels on a GPU (``None`` otherwise, and when it ran
-    already). A model calls it first thing, so the set-up (and the build of one kernel the model uses, its
-    SiLU-and-multiply over ``width`` columns of ``dtype``, then the projections' kernels) runs while the
-    weights are drawn or loaded instead of inside the first capture. It launches nothing and allocates no
-    device memory (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged
-    and leaves the first launch to do the set-up as before."""
+    already). A model calls it first thing, so the set-up (and the build of kernels the model uses: its
+    SiLU-and-multiply over ``width`` columns of ``dtype``, then the projections' one-row kernels, with a
+    bias too where ``bias``) runs while the weights are drawn or loaded instead of inside the first
+    capture. It launches nothing and allocates no device memory
+    (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged and leaves the
+    first launch to do the set-up as before."""
     if TRITON_SET_UP or device.type != "cuda" or not fused_kernels(kernels, device):
         return None
     TRITON_SET_UP["started"] = True
@@ -85,7 +86,7 @@ def set_up_triton(
         start = time.perf_counter()
         try:
             _ops().build_silu_mul(width, dtype)
-            _linear_ops().build_linear(dtype)
+            _linear_ops().build_linear(dtype, has_bias=bias)
         except Exception as exc:  # an optimisation: the first launch does the same work
             TRITON_SET_UP["error"] = repr(exc)
             logger.debug("Triton's set-up in the background failed: %r", exc)
@@ -162,7 +163,7 @@ def _linear_op(
 
 @_linear_op.register_fake
 def _(x, weight, bias):  # type: ignore[no-untyped-def]
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], *weight.shape[:-1]))  # F.linear's: a 1-D weight drops the last dim
 
 
 @torch.library.custom_op("devgraph_ref::silu_mul", mutates_args=())
@@ -216,8 +217,14 @@ def linear(
 ) -> torch.Tensor:
     """``x [T, K] @ weight [N, K].T (+ bias)``. Fused: one op that runs the Triton matrix-vector kernel
     for the few rows of a decode step where it is faster than cuBLAS and ``F.linear`` otherwise, decided
-    inside the op from the shapes at hand, so a compiled forward neither guards nor recompiles on them."""
-    return _linear_op(x, weight, bias) if fused else F.linear(x, weight, bias)
+    inside the op from the shapes at hand, so a compiled forward neither guards nor recompiles on them.
+    Eagerly (no compile tracing), a step the kernel never takes (more rows than it holds, or not 2-D)
+    skips the op: its dispatch costs several times ``F.linear``'s host time, a hundred times a step."""
+    if not fused:
+        return F.linear(x, weight, bias)
+    if not torch.compiler.is_compiling() and (x.dim() != 2 or x.shape[0] > _linear_ops().MAX_ROWS):
+        return F.linear(x, weight, bias)
+    return _linear_op(x, weight, bias)
 
 
 def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -267,7 +267,8 @@ class ReferenceModel(nn.Module):
             raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
         device = torch.device(device if device is not None else "cpu")
         self.config = config
-        set_up_triton(config.kernels, device, config.intermediate_size, config.dtype)  # while weights load
+        # While the weights load:
+        set_up_triton(config.kernels, device, config.intermediate_size, config.dtype, bias=config.qkv_bias)
         generator = torch.Generator().manual_seed(seed) if weights == "random" else None
         # Draw order is fixed (embedding, then layer by layer) so a seed pins every weight.
         shape, dtype = (config.vocab_size, config.hidden_size), config.dtype

@@ -2,12 +2,12 @@
 with ``M <= MAX_ROWS`` and ``w [N, K]`` (imports triton).
 
 At batch 1 a decode step reads every weight once and does almost no arithmetic, so it runs at the speed
-the weights stream from memory. cuBLAS falls short of that on narrow projections: on an H200 its kernel for
-Qwen3-0.6B's output projection (``[1, 2048] x [2048, 1024]``, 4 MiB of weight) takes 12.8 us, this one 3.7
-(``benchmarks/results/h200-linear.json``); at Llama-3-8B's widths the two are level. This kernel splits
-``N`` only: each program owns ``BLOCK_N`` output columns, walks the whole of ``K`` in ``BLOCK_K`` steps and
-writes its columns once. No split over ``K`` means no second pass and no atomics: the result does not
-depend on the launch, the same on every run and every rank.
+the weights stream from memory. cuBLAS falls short of that on narrow projections: on an H200 its kernel
+for Qwen3-0.6B's output projection (``[1, 2048] x [2048, 1024]``, 4 MiB of weight) takes 12.7-13.1 us,
+this one 3.9 (``benchmarks/results/h200-linear*.json``); at Llama-3-8B's widths the two are level. This
+kernel splits ``N`` only: each program owns ``BLOCK_N`` output columns, walks the whole of ``K`` in
+``BLOCK_K`` steps and writes its columns once. No split over ``K`` means no second pass and no atomics:
+the result does not depend on the launch, the same on every run and every rank.
 
 Two forms, both summing in float32 and rounding once to the output's dtype:
 
@@ -23,7 +23,9 @@ sweep found it as fast); :func:`linear` runs on GPU tensors, or on CPU tensors u
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,12 +34,10 @@ import triton.language as tl
 __all__ = [
     "CONFIGS",
     "HALF",
-    "LM_HEAD_COLUMNS",
-    "LONG_K",
     "MAX_ROWS",
-    "SMALL_WEIGHT",
-    "WIDE_COLUMNS",
+    "RULES",
     "LinearConfig",
+    "Rule",
     "build_linear",
     "config_for",
     "linear",
@@ -62,27 +62,55 @@ class LinearConfig:
 #: tiling is asked for.
 HALF = (torch.float16, torch.bfloat16)
 
-#: The tilings :func:`config_for` picks from, named by what they suit (``benchmarks/bench_linear.py``'s
-#: sweep on an H200, ``benchmarks/results/h200-linear.json``).
+#: The tilings :func:`config_for` picks from, named by what they suit.
 CONFIGS: dict[str, LinearConfig] = {
-    # One row: two output columns a program, the whole of K in 1024-wide steps on the CUDA cores.
+    # One or two rows of a narrow projection: two output columns a program, 1024-wide steps of K on the
+    # CUDA cores.
     "one_row": LinearConfig("sum", block_n=2, block_k=1024, warps=4),
-    # A few rows, or one row over a long K (a down projection): tensor cores, six tiles in flight.
+    # Three or four rows of a very narrow projection: one column a program, 512-wide steps.
+    "small_rows": LinearConfig("sum", block_n=1, block_k=512, warps=4),
+    # Rows padded to 16 on the tensor cores, six weight tiles in flight.
     "few_rows": LinearConfig("dot", block_n=16, block_k=128, warps=2, stages=6),
+    # A deep projection (K of 4096 and more at several rows, a down projection at one): wider, deeper tiles.
     "long_k": LinearConfig("dot", block_n=32, block_k=512, warps=4, stages=3),
     # An LM head (tens of thousands of columns): wider tiles, fewer programs to schedule.
     "wide": LinearConfig("dot", block_n=32, block_k=256, warps=4, stages=4),
 }
 
-#: From this many output columns on, a projection of several rows stays on cuBLAS (Llama-3-8B's gate/up,
-#: whole or halved, and every LM head: cuBLAS was level or faster there in the sweep).
-WIDE_COLUMNS = 8192
-#: Above this many columns a projection of one row is an LM head (a vocabulary): the ``wide`` tiling.
-LM_HEAD_COLUMNS = 30_000
-#: Weights of at most this many elements are small (Qwen3-0.6B's): cuBLAS from eight rows on.
-SMALL_WEIGHT = 8 * 1024 * 1024
-#: From this depth on a projection takes ``long_k`` (Llama-3-8B's down projection, 14336).
-LONG_K = 8192
+
+class Rule(NamedTuple):
+    """Rows ``rows[0]..rows[1]``, output columns ``n[0]..n[1]`` and depth ``k[0]..k[1]`` (inclusive) take
+    the tiling ``config`` (``None``: cuBLAS); ``measured`` says what the sweep found for those shapes."""
+
+    rows: tuple[int, int]
+    n: tuple[int, int]
+    k: tuple[int, int]
+    config: str | None
+    measured: str
+
+
+_ANY = (0, 1 << 62)
+#: :func:`config_for`'s table, first match wins; the ratios are the Triton tiling's time over cuBLAS's,
+#: medians over the runs in ``benchmarks/results/h200-linear-sweep.json`` and ``h200-linear.json`` (H200).
+RULES: tuple[Rule, ...] = (
+    Rule((1, 1), (30_001, 1 << 62), _ANY, "wide", "LM heads of 64k-128k columns: 0.93-0.95x"),
+    Rule((1, 16), (4097, 1 << 62), _ANY, None, "Llama-3-8B's qkv and every gate/up: cuBLAS level or faster"),
+    Rule((1, 16), _ANY, (7168, 1 << 62), "long_k", "down projections of 7168 and 14336: 0.89-1.0x"),
+    Rule((1, 1), (3073, 4096), (2048, 1 << 62), "few_rows", "8B's o and its half: 0.89x, 0.95x"),
+    Rule(
+        (1, 1),
+        _ANY,
+        _ANY,
+        "one_row",
+        "Qwen3-0.6B's qkv, o, down: 0.86x, 0.28x, 0.62x; 8B's half qkv 0.77x",
+    ),
+    Rule((2, 2), (1, 1024), _ANY, "one_row", "Qwen3-0.6B's o and down at 2 rows: 0.33x, 0.69x"),
+    Rule((3, 4), (1, 1024), _ANY, "small_rows", "Qwen3-0.6B's o and down at 4 rows: 0.71x, 0.99x"),
+    Rule((5, 16), (1, 1024), _ANY, None, "Qwen3-0.6B's o and down from 8 rows: cuBLAS level"),
+    Rule((2, 16), _ANY, (4096, 1 << 62), "long_k", "8B's o, its halved qkv: 0.87-0.96x"),
+    Rule((2, 16), _ANY, (1, 1024), "few_rows", "Qwen3-0.6B's qkv: 0.95-0.99x"),
+    # Anything else (8B's halved o, 2048 deep, at several rows: 1.0-1.03x) falls through to cuBLAS.
+)
 
 
 @triton.jit
@@ -165,18 +193,19 @@ def _linear_sum_kernel(
 
 
 def config_for(rows: int, n: int, k: int) -> LinearConfig | None:
-    """The tiling :func:`linear` uses for ``[rows, k] x [k, n]``, or ``None`` where cuBLAS was as fast or
-    faster in the sweep: more than :data:`MAX_ROWS` rows; at more than one row, a wide projection (a
-    gate/up or an LM head, :data:`WIDE_COLUMNS`), and from eight rows on a small one (Qwen3-0.6B's)."""
+    """The tiling :func:`linear` uses for ``[rows, k] x [k, n]``: the first :data:`RULES` entry that holds
+    the shape, or ``None`` (cuBLAS) where the entry says so, past :data:`MAX_ROWS` rows, or where no entry
+    holds it."""
     if rows < 1 or rows > MAX_ROWS:
         return None
-    if rows == 1:
-        if n > LM_HEAD_COLUMNS:
-            return CONFIGS["wide"]
-        return CONFIGS["long_k"] if k >= LONG_K else CONFIGS["one_row"]
-    if n >= WIDE_COLUMNS or (rows >= 8 and n * k <= SMALL_WEIGHT):
-        return None
-    return CONFIGS["long_k"] if k >= LONG_K else CONFIGS["few_rows"]
+    for rule in RULES:
+        if (
+            rule.rows[0] <= rows <= rule.rows[1]
+            and rule.n[0] <= n <= rule.n[1]
+            and rule.k[0] <= k <= rule.k[1]
+        ):
+            return CONFIGS[rule.config] if rule.config is not None else None
+    return None
 
 
 def linear(
@@ -225,30 +254,46 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _suits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Operands the kernels read as they assume: 2-D, last dimension contiguous, one dtype and device."""
+    """Operands the kernels read as they assume: 2-D, last dimension contiguous, one dtype, one device,
+    and that device a GPU (or the CPU under Triton's interpreter)."""
     if weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1:
         return False
     if weight.dtype != x.dtype or weight.device != x.device:
         return False
+    if x.device.type != "cuda" and not _interpreting():
+        return False
     return bias is None or (
-        bias.shape == (weight.shape[0],) and bias.stride(0) == 1 and bias.dtype == x.dtype
+        bias.shape == (weight.shape[0],)
+        and bias.stride(0) == 1
+        and bias.dtype == x.dtype
+        and bias.device == x.device
     )
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def build_linear(dtype: torch.dtype, has_bias: bool = False) -> None:
-    """Build (or load from Triton's cache) every kernel :func:`linear` launches for one row of ``dtype``
-    and the tensor-core forms, without launching them (no device memory), as
-    ``triton_fused.build_silu_mul`` does for its kernel: a start-up's first capture then compiles none."""
-    for c in CONFIGS.values():
+    """Build (or load from Triton's cache) the kernels :func:`linear` launches for one row of ``dtype`` (a
+    decode step of one request, what a server runs first and most) without launching them (no device
+    memory), as ``triton_fused.build_silu_mul`` does for its kernel: a start-up's batch-1 capture then
+    compiles none. ``has_bias``: the narrow one-row form with a bias too (a q/k/v projection with one).
+    Steps of more rows build their variants at their first warm-up. Nothing for a dtype :func:`linear`
+    keeps on cuBLAS."""
+    if dtype not in HALF:
+        return
+    one_row = {CONFIGS[rule.config] for rule in RULES if rule.config is not None and rule.rows[0] == 1}
+    for c, bias in [(c, False) for c in one_row] + ([(CONFIGS["one_row"], True)] if has_bias else []):
         if c.form == "sum":
             _linear_sum_kernel.warmup(
                 dtype, dtype, dtype, dtype, 1, 4096, 4096, 4096, 4096, 4096,
-                HAS_BIAS=has_bias, ROWS=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps,
+                HAS_BIAS=bias, ROWS=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps,
                 grid=(1,),
             )  # fmt: skip
         else:
             _linear_dot_kernel.warmup(
                 dtype, dtype, dtype, dtype, 1, 4096, 4096, 4096, 4096, 4096,
-                HAS_BIAS=has_bias, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
+                HAS_BIAS=bias, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
                 PRECISION=_precision(dtype), num_warps=c.warps, num_stages=c.stages, grid=(1,),
             )  # fmt: skip

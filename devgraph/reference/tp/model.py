@@ -178,7 +178,9 @@ class TPReferenceModel(ReferenceModel):
             )
         if weights not in WEIGHT_INITS:
             raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
-        set_up_triton(config.kernels, device, config.intermediate_size // size, config.dtype)
+        set_up_triton(
+            config.kernels, device, config.intermediate_size // size, config.dtype, bias=config.qkv_bias
+        )
         # "empty": shapes only, every weight filled later (a checkpoint loader slices each rank's part).
         draw = _drawer(seed, device, exact_weights) if weights == "random" else _empty(device)
         embed = draw((config.vocab_size, config.hidden_size), config.hidden_size)
