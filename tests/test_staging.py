@@ -208,6 +208,40 @@ def test_edge_fill_repeats_the_last_real_row_and_zero_rows_are_zeroed():
     assert buffers.buffers["cu"].tolist() == [0, 0, 0, 0, 0]
 
 
+def test_inputs_of_every_dtype_and_rank_land_as_their_own_copies_would_put_them():
+    # Staging copies the contiguous inputs' bytes in one batch: each buffer's real rows must hold exactly
+    # the input (1-D rows of 8, 4, 2 or 1 bytes, 2-D and 3-D rows), the padding its fill, and an input
+    # that is a strided view (its own copy) the same.
+    specs = {
+        "ids": StaticInput(torch.int64, fill=-1),
+        "lens": StaticInput(torch.int32, axis="requests", fill=0),
+        "tables": StaticInput(torch.int32, (5,), axis="requests", fill=0),
+        "x": StaticInput(torch.float16, (2, 3), fill=0.0),
+        "mask": StaticInput(torch.bool, fill=False),
+        "last": StaticInput(torch.int16, axis="requests", extra_rows=1, fill="edge"),
+        "strided": StaticInput(torch.float32, (2,), fill=0.5),
+    }
+    buffers = StaticBuffers(specs, {"tokens": 8, "requests": 4}, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        "ids": torch.randint(0, 1 << 40, (5,), generator=gen),
+        "lens": torch.randint(0, 1 << 20, (3,), generator=gen, dtype=torch.int32),
+        "tables": torch.randint(0, 1 << 20, (3, 5), generator=gen, dtype=torch.int32),
+        "x": torch.randn(5, 2, 3, generator=gen).half(),
+        "mask": torch.rand(5, generator=gen) > 0.5,
+        "last": torch.tensor([2, -7, 300, 11], dtype=torch.int16),
+        "strided": torch.randn(2, 5, generator=gen).T,  # not contiguous
+    }
+    buffers.stage({"tokens": 5, "requests": 3}, GraphKey.of(8, {"requests": 4}), inputs)
+    for name, value in inputs.items():
+        buf = buffers.buffers[name]
+        assert torch.equal(buf[: value.shape[0]], value), name
+    assert buffers.buffers["ids"][5:].tolist() == [-1] * 3
+    assert buffers.buffers["lens"][3:].tolist() == [0] and not buffers.buffers["mask"][5:].any()
+    assert buffers.buffers["last"].tolist() == [2, -7, 300, 11, 11]  # the edge: the last real row again
+    assert buffers.buffers["strided"][5:].eq(0.5).all()
+
+
 # -- StaticInput fills and declarations ----------------------------------------------------------------
 @pytest.mark.parametrize(
     ("dtype", "fill", "fragment"),
