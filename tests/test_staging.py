@@ -209,9 +209,8 @@ def test_edge_fill_repeats_the_last_real_row_and_zero_rows_are_zeroed():
 
 
 def test_inputs_of_every_dtype_and_rank_land_as_their_own_copies_would_put_them():
-    # Staging copies the contiguous inputs' bytes in one batch: each buffer's real rows must hold exactly
-    # the input (1-D rows of 8, 4, 2 or 1 bytes, 2-D and 3-D rows), the padding its fill, and an input
-    # that is a strided view (its own copy) the same.
+    # Each buffer's real rows hold exactly its input (1-D rows of 8, 4, 2 or 1 bytes, 2-D and 3-D rows, a
+    # strided view), the padding rows its fill, an "edge" fill the last real row again.
     specs = {
         "ids": StaticInput(torch.int64, fill=-1),
         "lens": StaticInput(torch.int32, axis="requests", fill=0),

@@ -201,11 +201,6 @@ class StaticBuffers:
         self._plan = tuple(
             (name, self.buffers[name], spec.axis, spec.extra_rows, spec.fill) for name, spec in specs.items()
         )
-        # Per input, the position of its dtype among the buffers' dtypes: stage() copies each dtype's
-        # inputs in one batch.
-        dtypes = list(dict.fromkeys(buf.dtype for _, buf, _, _, _ in self._plan))
-        self._group = tuple(dtypes.index(buf.dtype) for _, buf, _, _, _ in self._plan)
-        self._groups = len(dtypes)
 
     def views(self, key: GraphKey) -> dict[str, torch.Tensor]:
         """Per-input aliases of the rows ``key`` covers, new ones each call (a forward that changes an
@@ -213,34 +208,15 @@ class StaticBuffers:
         return {name: leading_rows(buf, extra + key.size(axis)) for name, buf, axis, extra, _ in self._plan}
 
     def stage(self, counts: Mapping[str, int], key: GraphKey, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Copy validated inputs into the buffers and pad every axis up to ``key`` with its fill.
-
-        The inputs already on their buffer's device cross in one ``torch._foreach_copy_`` per dtype: on a
-        GPU one multi-tensor kernel per dtype where a ``copy_`` each was one device copy each (five for a
-        decode step of the reference decoder, two dtypes; the five took 22 us of device time between two
-        replays on an H200, ``benchmarks/results/h200-replay-vs-hand.txt``). A host input for a device
-        buffer takes its own ``copy_``."""
+        """Copy validated inputs into the buffers and pad every axis up to ``key`` with its fill."""
         # No autograd: an input that requires grad must not chain the static buffer to its graph.
         with torch.no_grad():
-            dsts: list[list[torch.Tensor]] = [[] for _ in range(self._groups)]
-            srcs: list[list[torch.Tensor]] = [[] for _ in range(self._groups)]
-            pads = []
-            for (name, buf, axis, extra, fill), group in zip(self._plan, self._group, strict=True):
+            for name, buf, axis, extra, fill in self._plan:
                 real = counts[axis] + extra
                 padded = key.size(axis) + extra
-                value = inputs[name]
-                if value.device == buf.device:
-                    dsts[group].append(buf[:real])
-                    srcs[group].append(value)
-                else:  # a host input for a device buffer (or the other way): a copy of its own
-                    buf[:real].copy_(value)
+                buf[:real].copy_(inputs[name])
                 if real < padded:
-                    pads.append((buf, real, padded, fill))
-            for into, values in zip(dsts, srcs, strict=True):
-                if into:
-                    torch._foreach_copy_(into, values)
-            for buf, real, padded, fill in pads:  # after the real rows: an "edge" fill repeats the last
-                _pad(buf, real, padded, fill)
+                    _pad(buf, real, padded, fill)
 
     def reset(self) -> None:
         """Every row back to its fill (capture runs on harmless rows only)."""
@@ -250,8 +226,6 @@ class StaticBuffers:
     def clear(self) -> None:
         self.buffers = {}
         self._plan = ()
-        self._group = ()
-        self._groups = 0
 
 
 def _resting(fill: Any) -> int | float | bool:
