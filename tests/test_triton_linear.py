@@ -73,17 +73,14 @@ def _cubin(config, rows: int = 1) -> str:  # type: ignore[no-untyped-def]
         pytest.skip(f"this Triton has no ahead-of-time compile API ({exc})")
     signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}
     signature |= {name: "i32" for name in ("rows", "n", "k", "stride_x", "stride_w", "stride_o")}
-    constants = {"HAS_BIAS": False, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
-    if config.form == "dot":
-        kernel = triton_linear._linear_dot_kernel
-        constants = {**constants, "STAGES": config.stages, "PRECISION": "tf32"}
-    else:
-        kernel, constants = triton_linear._linear_sum_kernel, {**constants, "ROWS": rows}
+    # Exactly what linear() launches for this tiling and row count: its kernel and compile-time arguments.
+    kernel, launch = triton_linear._launch(config, rows, torch.bfloat16, False)
+    constants = {name: value for name, value in launch.items() if not name.startswith("num_")}
+    options = {name: value for name, value in launch.items() if name.startswith("num_")}
     signature |= {name: "constexpr" for name in constants}
     # What a launch from torch tensors specializes: 16-byte aligned pointers, sizes divisible by 16.
     aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned)
-    options = {"num_warps": config.warps, "num_stages": config.stages}
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     except (RuntimeError, FileNotFoundError) as exc:

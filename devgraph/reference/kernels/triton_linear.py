@@ -16,16 +16,17 @@ Two forms, both summing in float32 and rounding once to the output's dtype:
 * ``sum``: the rows (padded to a power of two) multiplied and summed on the CUDA cores, ``BLOCK_N x
   BLOCK_K`` weights per step.
 
-:func:`config_for` picks the form and tile per shape class from :data:`CONFIGS` (or cuBLAS, where the
-sweep found it as fast); :func:`linear` runs on GPU tensors, or on CPU tensors under ``TRITON_INTERPRET=1``
-(the tests; Triton's interpreter multiplies bfloat16 tiles wrongly, so they use float16 and float32).
+:func:`config_for` picks the form and tile per shape class by :data:`RULES` (or cuBLAS, where the sweep
+found it as fast or faster); :func:`linear` runs on GPU tensors, or on CPU tensors under
+``TRITON_INTERPRET=1`` (the tests; Triton's interpreter multiplies bfloat16 tiles wrongly, so they use
+float16 and float32).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -230,22 +231,35 @@ def linear(
     if c is None or rows == 0 or n == 0 or k == 0 or not _suits(x, weight, bias):
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
-    has_bias = bias is not None
+    kernel, options = _launch(c, rows, x.dtype, bias is not None)
     b = bias if bias is not None else weight
-    grid = (triton.cdiv(n, c.block_n),)
-    if c.form == "sum":
-        _linear_sum_kernel[grid](
-            x, weight, b, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=has_bias, ROWS=triton.next_power_of_2(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            num_warps=c.warps,
-        )  # fmt: skip
-    else:
-        _linear_dot_kernel[grid](
-            x, weight, b, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=has_bias, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
-            PRECISION=_precision(x.dtype), num_warps=c.warps, num_stages=c.stages,
-        )  # fmt: skip
+    kernel[(triton.cdiv(n, c.block_n),)](
+        x, weight, b, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), **options
+    )
     return out
+
+
+def _launch(c: LinearConfig, rows: int, dtype: torch.dtype, has_bias: bool) -> tuple[Any, dict[str, Any]]:
+    """The kernel of ``c``'s form and its compile-time arguments for ``rows`` rows of ``dtype``: what
+    :func:`linear` launches and :func:`build_linear` builds ahead (the two must agree, or the build is
+    a different kernel than the launch). Both kernels take the same positional arguments."""
+    if c.form == "sum":
+        return _linear_sum_kernel, {
+            "HAS_BIAS": has_bias,
+            "ROWS": triton.next_power_of_2(rows),
+            "BLOCK_N": c.block_n,
+            "BLOCK_K": c.block_k,
+            "num_warps": c.warps,
+        }
+    return _linear_dot_kernel, {
+        "HAS_BIAS": has_bias,
+        "BLOCK_N": c.block_n,
+        "BLOCK_K": c.block_k,
+        "STAGES": c.stages,
+        "PRECISION": _precision(dtype),
+        "num_warps": c.warps,
+        "num_stages": c.stages,
+    }
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -285,15 +299,6 @@ def build_linear(dtype: torch.dtype, has_bias: bool = False) -> None:
         return
     one_row = {CONFIGS[rule.config] for rule in RULES if rule.config is not None and rule.rows[0] == 1}
     for c, bias in [(c, False) for c in one_row] + ([(CONFIGS["one_row"], True)] if has_bias else []):
-        if c.form == "sum":
-            _linear_sum_kernel.warmup(
-                dtype, dtype, dtype, dtype, 1, 4096, 4096, 4096, 4096, 4096,
-                HAS_BIAS=bias, ROWS=1, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.warps,
-                grid=(1,),
-            )  # fmt: skip
-        else:
-            _linear_dot_kernel.warmup(
-                dtype, dtype, dtype, dtype, 1, 4096, 4096, 4096, 4096, 4096,
-                HAS_BIAS=bias, BLOCK_N=c.block_n, BLOCK_K=c.block_k, STAGES=c.stages,
-                PRECISION=_precision(dtype), num_warps=c.warps, num_stages=c.stages, grid=(1,),
-            )  # fmt: skip
+        kernel, options = _launch(c, 1, dtype, bias)
+        # Pointers as their dtype, then rows (1), n, k and the strides at a typical size.
+        kernel.warmup(dtype, dtype, dtype, dtype, 1, 4096, 4096, 4096, 4096, 4096, grid=(1,), **options)
