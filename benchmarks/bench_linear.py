@@ -41,6 +41,7 @@ from harness.device import Device
 from harness.plots import Panel, plot_panels
 from harness.profile import kernel_times
 from harness.report import Report, environment, output_path
+from harness.timing import graph_of, steps_in_turns
 
 #: name -> (N, K) of ``y [M, N] = x [M, K] @ w.T``.
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
@@ -71,17 +72,7 @@ def tilings(rows: int, quick: bool) -> list[Any]:
 
 def graph_time(calls: Callable[[], None], replays: int = 5) -> float:
     """Median milliseconds of one replay of a CUDA graph of ``calls`` (warmed up first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, _ = graph_of(calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
@@ -298,21 +289,11 @@ def time_model(
         "weight_gb_read_per_step": round(weight_bytes / 1e9, 3),
         "batches": {},
     }
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for b in batches:
         batch = make_decode_batch(model, b, seq_lens=256, seed=b)
         with cublas_only():
-            hand = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                model.decode_step(**batch)
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(hand):
-                hand_logits = model.decode_step(**batch)
+            hand, hand_logits = graph_of(functools.partial(model.decode_step, **batch))
         logits = {variant: runner.run(**batch).float().clone() for variant, runner in runners.items()}
-        hand.replay()
-        torch.cuda.synchronize()
         calls: dict[str, Callable[[], Any]] = {
             "eager": functools.partial(_eager_cublas, model, batch),
             "hand": hand.replay,
@@ -320,23 +301,10 @@ def time_model(
             "triton": functools.partial(runners["triton"].run, **batch),
         }
         row: dict[str, Any] = {}
-        # Rounds of 20 steps per variant, the variants taking turns, so clock and thermal drift hit all
-        # alike (with each variant's rounds in a row, the hand-written graph came out 4-13% faster than
-        # devgraph's of the same kernels; replay_vs_hand.py found the two graphs level).
-        times: dict[str, list[float]] = {variant: [] for variant in calls}
-        for call in calls.values():
-            call()
-        for _ in range(7):
-            for variant, call in calls.items():
-                torch.cuda.synchronize()
-                start.record()
-                for _ in range(20):
-                    call()
-                end.record()
-                end.synchronize()
-                times[variant].append(start.elapsed_time(end) / 20)
-        for variant in calls:
-            row[f"{variant}_ms"] = round(statistics.median(times[variant]), 4)
+        # The variants take turns (with each variant's rounds in a row, the hand-written graph came out
+        # 4-13% faster than devgraph's of the same kernels; replay_vs_hand.py found the two graphs level).
+        for variant, ms in steps_in_turns(calls).items():
+            row[f"{variant}_ms"] = round(ms, 4)
         floor_ms = weight_bytes / (read_tbps * 1e12) * 1e3
         row["floor_ms_at_read_bw"] = round(floor_ms, 4)
         if spec:

@@ -6,9 +6,10 @@ cuBLAS projections, milliseconds per step over 20 steps back to back (median of 
     python3 benchmarks/replay_vs_hand.py
 """
 
-import statistics
+import functools
 
 import torch
+from harness.timing import graph_of, steps_in_turns
 
 from devgraph.reference import ReferenceConfig, ReferenceModel, decode_runner, make_decode_batch
 from devgraph.reference.kernels import triton_linear
@@ -25,14 +26,7 @@ backend = r.life.sets.all[0].backend
 key = next(iter(backend._entries))
 entry = backend._entries[key]
 bufs = r._steps.buffers
-hand = torch.cuda.CUDAGraph()
-s = torch.cuda.Stream()
-s.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(s):
-    m.decode_step(**batch)
-torch.cuda.current_stream().wait_stream(s)
-with torch.cuda.graph(hand):
-    m.decode_step(**batch)
+hand, _ = graph_of(functools.partial(m.decode_step, **batch))
 static = dict(bufs.buffers)
 names = list(batch)
 print("inputs", {n: (tuple(batch[n].shape), batch[n].dtype, tuple(static[n].shape)) for n in names})
@@ -59,18 +53,5 @@ variants = {
     "memcpy copies + hand replay": lambda: (copies_memcpy(), hand.replay()),
     "runner.run": lambda: r.run(**batch),
 }
-a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-times: dict[str, list[float]] = {name: [] for name in variants}
-for call in variants.values():
-    call()
-for _ in range(7):  # the variants take turns, so clock drift hits all alike
-    for name, call in variants.items():
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(20):
-            call()
-        b.record()
-        b.synchronize()
-        times[name].append(a.elapsed_time(b) / 20)
-for name in variants:
-    print(f"{name:40s} {statistics.median(times[name]):.4f} ms")
+for name, ms in steps_in_turns(variants).items():
+    print(f"{name:40s} {ms:.4f} ms")

@@ -11,7 +11,7 @@ from typing import Any
 
 from harness.device import Device
 
-__all__ = ["Variant", "measure_build", "time_cases"]
+__all__ = ["Variant", "graph_of", "measure_build", "steps_in_turns", "time_cases"]
 
 
 @dataclass
@@ -94,3 +94,43 @@ def measure_build(dev: Device, build: Callable[[], Any]) -> tuple[Any, float, in
     seconds = time.perf_counter() - t0
     dev.settle()
     return result, seconds, dev.reserved() - before
+
+
+def graph_of(call: Callable[[], Any]) -> tuple[Any, Any]:
+    """``(graph, outputs)``: a ``torch.cuda.CUDAGraph`` of ``call``, warmed up once on a side stream first
+    (the standard recipe, torch's own capture stream), and replayed once."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, outputs
+
+
+def steps_in_turns(calls: dict[str, Callable[[], Any]], rounds: int = 7, steps: int = 20) -> dict[str, float]:
+    """Median milliseconds of one call per variant, each timed with CUDA events over ``steps`` calls back to
+    back, the variants taking turns for ``rounds`` rounds (so clock and thermal drift hit all alike)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(rounds):
+        for name, call in calls.items():
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(steps):
+                call()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / steps)
+    return {name: statistics.median(values) for name, values in times.items()}
