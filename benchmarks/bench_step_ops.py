@@ -25,13 +25,14 @@ after the counting with the counting mode off (noisy on a shared CPU: the op cou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,34 @@ def host_time(engine: Engine, steps: int) -> dict[str, float] | None:
     return {"median": round(statistics.median(samples), 1), "best": round(min(samples), 1)}
 
 
-def count(batch: int, device: str, steps: int, scheduler: str, time_steps: int = 0) -> dict[str, Any]:
-    """Serve ``batch`` greedy requests; the op counts of ``steps`` decode steps once every request decodes."""
-    config = ReferenceConfig.preset("tiny", max_requests=max(batch, 1), dtype="float32")
+@contextlib.contextmanager
+def without_static_rows() -> Iterator[None]:
+    """The engine's step as it was before its ids and block tables were written into the runner's static
+    rows (``GraphRunner.static_rows``): the runner copies them in, two device copies more a step."""
+    from devgraph.runner.graph_runner import GraphRunner
+
+    rows = GraphRunner.static_rows
+    GraphRunner.static_rows = lambda self, name, rows: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GraphRunner.static_rows = rows  # type: ignore[method-assign]
+
+
+def count(
+    batch: int,
+    device: str,
+    steps: int,
+    scheduler: str,
+    time_steps: int = 0,
+    *,
+    preset: str = "tiny",
+    dtype: str = "float32",
+    timeline: int = 0,
+) -> dict[str, Any]:
+    """Serve ``batch`` greedy requests; the op counts of ``steps`` decode steps once every request decodes
+    (then ``time_steps`` timed on the host, then ``timeline`` profiled on a GPU)."""
+    config = ReferenceConfig.preset(preset, max_requests=max(batch, 1), dtype=dtype)
     model = ReferenceModel(config, seed=0, device=device)
     engine = Engine(
         model,
@@ -90,7 +116,7 @@ def count(batch: int, device: str, steps: int, scheduler: str, time_steps: int =
         progress=False,
     )
     warm = 4
-    params = SamplingParams(max_tokens=warm + steps + time_steps + 8, temperature=0)
+    params = SamplingParams(max_tokens=warm + steps + time_steps + 2 * (timeline + 1) + 8, temperature=0)
     for i in range(batch):
         engine.add_request([(i * 7 + j) % config.vocab_size for j in range(5)], params)
     for _ in range(64):  # until the prompts are in and a few decode steps ran
@@ -111,6 +137,13 @@ def count(batch: int, device: str, steps: int, scheduler: str, time_steps: int =
                 raise RuntimeError(f"batch {batch}: a counted step was not one decode forward")
     counted = ops.steps
     host_us = host_time(engine, time_steps)
+    gaps = plain_gaps = None
+    if timeline > 0:
+        from harness.profile import replay_gaps  # the GPU's profile only (benchmarks/ on the path)
+
+        gaps = replay_gaps(engine.step, timeline)
+        with without_static_rows():  # the same engine with the runner's copies, in turn: the difference
+            plain_gaps = replay_gaps(engine.step, timeline)
     replays = engine.decode_runner.stats()["replays"]
     engine.close()
     dicts = [c.as_dict() for c in counted]
@@ -123,6 +156,8 @@ def count(batch: int, device: str, steps: int, scheduler: str, time_steps: int =
         "steps_like_typical": signature.most_common(1)[0][1],
         "decode_replays": replays,
         "host_us_outside_replay": host_us,
+        "between_replays": gaps,
+        "between_replays_without_static_rows": plain_gaps,
         **{name: typical[name] for name in SUMMARY},
         "max": {name: largest[name] for name in SUMMARY},
         "typical_step": typical,
@@ -138,6 +173,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scheduler", default="overlap", choices=["overlap", "serial"])
     parser.add_argument(
         "--time-steps", type=int, default=40, help="decode steps timed after counting (default 40; 0: none)"
+    )
+    parser.add_argument("--preset", default="tiny", help="the reference model's preset (default tiny)")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (default float32)")
+    parser.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        help="GPU: profile this many decode steps and report what the device runs between replays",
     )
     parser.add_argument("--out", help="JSON path (default: $OUT/step-ops.json on a GPU, else results/)")
     parser.add_argument("--before", help="an earlier report of this script: its totals go in as 'before'")
@@ -156,14 +199,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
             "scheduler": args.scheduler,
-            "model": "tiny reference (graphs: auto)",
+            "model": f"{args.preset} reference, {args.dtype} (graphs: auto)",
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
         "batches": {},
     }
     start = time.perf_counter()
     for batch in args.batches:
-        result = count(batch, args.device, args.steps, args.scheduler, args.time_steps)
+        if args.timeline and args.device == "cpu":
+            parser.error("--timeline profiles a GPU's device timeline: add --device cuda")
+        result = count(
+            batch,
+            args.device,
+            args.steps,
+            args.scheduler,
+            args.time_steps,
+            preset=args.preset,
+            dtype=args.dtype,
+            timeline=args.timeline,
+        )
         report["batches"][str(batch)] = result
         phases = result["typical_step"]["phases"]
         print(
@@ -176,6 +230,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             entry = phases[phase]
             ops = ", ".join(f"{name} x{n}" if n > 1 else name for name, n in entry["ops"].items())
             print(f"  {phase:9} {sum(entry['kinds'].values()):3} ({ops})")
+        for label, gaps in (
+            ("as built", result["between_replays"]),
+            ("without the static rows", result["between_replays_without_static_rows"]),
+        ):
+            if not gaps or not gaps.get("gaps"):
+                continue
+            print(f"  {label}:")
+            print(
+                f"  between replays (median of {gaps['gaps']}): {gaps['gap_us_median']} us, device busy "
+                f"{gaps['busy_us_median']} us in {gaps['ops_per_gap_median']} ops, "
+                f"idle {gaps['idle_us_median']} us; replay {gaps['replay_us_median']} us, launched "
+                f"{gaps['replay_lead_us_median']} us before it started"
+            )
+            for name, entry in gaps["by_op"].items():
+                print(
+                    f"    {entry['per_gap']:>4} x {entry['us_median']:7.2f} us (launched "
+                    f"{entry['lead_us_median']} us ahead)  {name}"
+                )
     if args.before:
         before = json.loads(Path(args.before).read_text())
         report["before"] = {

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,3 +184,21 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def run_under_triton_interpreter() -> Callable[[str], str]:
+    """Runs a script in a child process under ``TRITON_INTERPRET=1`` (Triton reads it when its kernels are
+    defined, so not in this process) with ``tests/`` importable; returns its output, failing the test
+    with the child's output when it exits non-zero."""
+
+    def run(script: str) -> str:
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([here, *sys.path])}
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    return run

@@ -365,3 +365,68 @@ def test_fills_that_overflow_are_refused_in_one_short_line(dtype, fill):
     with pytest.raises(ConfigError, match="overflows|outside") as raised:
         StaticInput(dtype, fill=fill)
     assert len(str(raised.value)) < 200
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_inputs_written_into_the_static_rows_are_not_copied_and_step_as_a_copy_would(path):
+    """``static_rows``: an engine writes a step's input where the graph reads it and run() copies nothing
+    for it; on every path the outputs are those of the same inputs passed as the caller's own tensors."""
+    runner = runner_on(path)
+    n = N_FOR[path]
+    expected = runner.run(**good(n), copy=True)
+    x_rows = runner.static_rows("x", n)
+    idx_rows = runner.static_rows("idx", n)
+    if n > max(SIZES):  # past the largest key: the buffers hold fewer rows, so no static rows
+        assert x_rows is None and idx_rows is None
+        runner.close()
+        return
+    assert x_rows is not None and idx_rows is not None
+    assert x_rows.data_ptr() == runner.static_inputs["x"].data_ptr() and x_rows.shape == (n, 4)
+    torch.index_select(good(n)["x"], 0, torch.arange(n), out=x_rows)  # a producer writing in place
+    idx_rows.copy_(good(n)["idx"])
+    copies = []
+    original = torch.Tensor.copy_
+
+    def counting_copy(self, src, *args, **kwargs):
+        copies.append((self.data_ptr(), src.data_ptr()))
+        return original(self, src, *args, **kwargs)
+
+    torch.Tensor.copy_ = counting_copy
+    try:
+        got = runner.run(x=x_rows, idx=idx_rows, copy=True)
+    finally:
+        torch.Tensor.copy_ = original
+    assert torch.equal(got, expected)
+    if path == "graph":  # no input copied into its own buffer (the graph's outputs are copied out)
+        buffers = {b.data_ptr() for b in runner.static_inputs.values()}
+        assert not [c for c in copies if c[0] in buffers and c[0] == c[1]], copies
+    # verify() with the buffer's own rows: its runs each start from the same step
+    if path != "disabled":
+        result = runner.verify(x=x_rows, idx=idx_rows)
+        assert result.ok, result
+    runner.close()
+
+
+def test_static_rows_are_none_where_there_is_no_such_buffer():
+    runner = runner_on("graph")
+    assert runner.static_rows("x", max(SIZES)).shape == (max(SIZES), 4)
+    for name, rows in (("x", max(SIZES) + 1), ("x", 0), ("x", -1), ("nope", 1), ("x", True), ("x", 1.0)):
+        assert runner.static_rows(name, rows) is None, (name, rows)
+    runner.close()
+    assert runner.static_rows("x", 1) is None
+
+
+def test_a_tensor_on_the_buffer_but_laid_out_otherwise_is_copied():
+    buffers = StaticBuffers(
+        {"m": StaticInput(torch.float32, (2,), fill=0.0)}, {"tokens": 4}, torch.device("cpu")
+    )
+    buf = buffers.buffers["m"]
+    buf.copy_(torch.arange(8, dtype=torch.float32).view(4, 2))
+    # rows 0 and 2 of the buffer as a (2, 2) tensor starting on its first element: not its first rows
+    strided = buf.as_strided((2, 2), (4, 1))
+    key = GraphKey(2)
+    buffers.stage({"tokens": 2}, key, {"m": strided.clone()})
+    assert buf[:2].tolist() == [[0.0, 1.0], [4.0, 5.0]]
+    buf.copy_(torch.arange(8, dtype=torch.float32).view(4, 2))
+    buffers.stage({"tokens": 2}, key, {"m": buf.as_strided((2, 2), (4, 1))})  # overlapping: copied in order
+    assert buf[:2].tolist() == [[0.0, 1.0], [4.0, 5.0]]

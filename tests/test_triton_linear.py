@@ -12,9 +12,6 @@ bit for bit.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -181,14 +178,10 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_every_tiling_equals_a_float64_product_under_the_interpreter():
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([here, *sys.path])}
-    result = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "linear ok 100" in result.stdout  # 2 dtypes x 5 shapes x 2 biases x 5 tilings
+def test_every_tiling_equals_a_float64_product_under_the_interpreter(run_under_triton_interpreter):
+    assert "linear ok 100" in run_under_triton_interpreter(
+        _SCRIPT
+    )  # 2 dtypes x 5 shapes x 2 biases x 5 tilings
 
 
 def test_eagerly_a_step_the_kernel_never_takes_skips_the_op(monkeypatch):

@@ -38,6 +38,7 @@ __all__ = [
     "TRITON_SET_UP",
     "add_rms_norm",
     "fused_kernels",
+    "greedy_tokens",
     "linear",
     "qk_norm_rope",
     "rms_norm",
@@ -225,6 +226,31 @@ def linear(
     if not torch.compiler.is_compiling() and (x.dim() != 2 or x.shape[0] > _linear_ops().MAX_ROWS):
         return F.linear(x, weight, bias)
     return _linear_op(x, weight, bias)
+
+
+def greedy_tokens(
+    logits: torch.Tensor,
+    fused: bool,
+    write_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``logits [R, V]`` (int64 ``[R]``); ``write_to=(target, index)`` also sets
+    ``target[index[r]]`` to row ``r``'s token (distinct indices). Fused: the two Triton kernels of
+    :mod:`~devgraph.reference.kernels.triton_argmax` (the same tokens, bit for bit, and the write done by
+    the second of them); else ``torch.argmax`` and ``index_copy_``."""
+    if (
+        fused
+        and logits.dim() == 2
+        and logits.is_floating_point()
+        and logits.stride(-1) == 1
+        and logits.shape[-1] > 0
+        and (logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+    ):
+        argmax = importlib.import_module("devgraph.reference.kernels.triton_argmax")
+        return argmax.argmax_rows(logits, *(write_to or (None, None)))  # type: ignore[no-any-return]
+    tokens = logits.argmax(dim=-1)
+    if write_to is not None:
+        write_to[0].index_copy_(0, write_to[1], tokens)
+    return tokens
 
 
 def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -171,6 +171,20 @@ class GraphRunner:
         """The full static buffers (as many rows as the largest key's axis)."""
         return self._buffers.buffers
 
+    def static_rows(self, name: str, rows: int) -> torch.Tensor | None:
+        """The first ``rows`` rows of input ``name``'s static buffer, where :meth:`run` would copy a step's
+        ``name`` of ``rows`` rows; ``None`` where there is no such buffer now (no input ``name``, more rows
+        than it holds, a closed runner).
+
+        An engine that produces an input on the device can write it here (``torch.index_select(...,
+        out=rows)``) and pass this tensor to :meth:`run`, which then copies nothing for it: one device op
+        fewer a step. The write must come after the previous step is issued and before this step's
+        :meth:`run`, from the thread that runs the steps (or under the engine's own lock from the write to
+        the run): another step in between would overwrite it. A forward that changes its inputs in place
+        changes this tensor, which is the buffer itself."""
+        with self._lock:
+            return self._buffers.rows_of(name, rows)
+
     @property
     def check_lockstep(self) -> bool:
         """Check each step that every rank replays the same key (an all-gather); may flip between steps."""

@@ -207,14 +207,26 @@ class StaticBuffers:
         input's metadata in place, ``x.unsqueeze_(0)``, changes only the aliases it was given)."""
         return {name: leading_rows(buf, extra + key.size(axis)) for name, buf, axis, extra, _ in self._plan}
 
+    def rows_of(self, name: str, rows: int) -> torch.Tensor | None:
+        """``name``'s first ``rows`` rows (``GraphRunner.static_rows``); ``None``: no such buffer or rows."""
+        buf = self.buffers.get(name)
+        if buf is None or isinstance(rows, bool) or not isinstance(rows, int) or not 0 < rows <= buf.shape[0]:
+            return None
+        # A plain slice (one view op): it is written and handed to run(), never traced by a compiler
+        # (an eager step's forward gets a copy of it)
+        return buf[:rows]
+
     def stage(self, counts: Mapping[str, int], key: GraphKey, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Copy validated inputs into the buffers and pad every axis up to ``key`` with its fill."""
+        """Copy validated inputs into the buffers and pad every axis up to ``key`` with its fill. An input
+        that already is the buffer's rows (written there through ``rows_of``) is not copied."""
         # No autograd: an input that requires grad must not chain the static buffer to its graph.
         with torch.no_grad():
             for name, buf, axis, extra, fill in self._plan:
                 real = counts[axis] + extra
                 padded = key.size(axis) + extra
-                buf[:real].copy_(inputs[name])
+                value = inputs[name]
+                if not _is_rows_of(value, buf):
+                    buf[:real].copy_(value)
                 if real < padded:
                     _pad(buf, real, padded, fill)
 
@@ -226,6 +238,15 @@ class StaticBuffers:
     def clear(self) -> None:
         self.buffers = {}
         self._plan = ()
+
+
+def _is_rows_of(value: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``value`` (validated: ``buf``'s dtype and row shape) lies exactly on ``buf``'s first rows."""
+    if value.data_ptr() != buf.data_ptr() or value.device != buf.device:
+        return False
+    if value.stride()[1:] != buf.stride()[1:]:
+        return False
+    return value.shape[0] <= 1 or value.stride(0) == buf.stride(0)
 
 
 def _resting(fill: Any) -> int | float | bool:

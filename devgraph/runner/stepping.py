@@ -202,6 +202,9 @@ class Stepper:
     ) -> VerifyResult:
         """``verify()``: the step through its graph (not counted), then the forward eagerly on the caller's
         rows and on the padded buffers, declared state restored before each; the largest differences."""
+        # Owned copies: an input written into the static rows (GraphRunner.static_rows) is the buffer the
+        # replay's forward may change and the padded run stages into.
+        inputs = {name: value.clone() for name, value in inputs.items()}
         decision = self.decide(step, variant, context, None)
         key = decision.key
         if self.check_lockstep:

@@ -15,8 +15,11 @@ of the work around the forward, named in :data:`STEP_ARRAYS`. :meth:`DeviceStep.
    forward's own, so no rank's host waits for it;
 4. runs the forward through the decode or the prefill runner.
 
+The step's ids and its rows of the block tables are written straight into the runner's static input
+rows (:meth:`~devgraph.runner.graph_runner.GraphRunner.static_rows`), so the runner copies neither.
 Rank 0's engine then samples on the device and writes each sampled token into its request's slot
-(:meth:`TokenSlots.write`), where the next step's ids come from: the host reads the tokens a step later.
+(``TokenSlots.tokens``; the greedy kernels write it themselves), where the next step's ids come from: the
+host reads the tokens a step later.
 Everything is issued on one stream, in step order: a KV block or a slot that the host hands to another
 request after step N was issued is written by later work only, which the device runs after step N.
 """
@@ -72,14 +75,22 @@ class TokenSlots:
     def write(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         self.tokens.index_copy_(0, slots, tokens)
 
-    def ids(self, input_ids: torch.Tensor, id_slots: torch.Tensor) -> torch.Tensor:
-        """``input_ids`` with each token whose ``id_slots`` entry is a slot (not -1) taken from it."""
+    def ids(
+        self, input_ids: torch.Tensor, id_slots: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``input_ids`` with each token whose ``id_slots`` entry is a slot (not -1) taken from it (into
+        ``out`` when given)."""
         pending = self.tokens.index_select(0, id_slots.clamp(min=0))
-        return torch.where(id_slots >= 0, pending, input_ids)
+        if out is None:
+            return torch.where(id_slots >= 0, pending, input_ids)
+        return torch.where(id_slots >= 0, pending, input_ids, out=out)
 
-    def pending(self, slots: torch.Tensor) -> torch.Tensor:
-        """Every token's id from its slot (a padding token's from the padding slot: 0, as in its input)."""
-        return self.tokens.index_select(0, slots)
+    def pending(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token's id from its slot (a padding token's from the padding slot: 0, as in its input),
+        into ``out`` when given."""
+        if out is None:
+            return self.tokens.index_select(0, slots)
+        return torch.index_select(self.tokens, 0, slots, out=out)
 
 
 class DeviceStep:
@@ -123,21 +134,29 @@ class DeviceStep:
         runner = self.runner(kind)
         rows = arrays.get("table_rows")
         if rows is not None:
-            arrays = {**arrays, "block_tables": self._tables(arrays, rows)}
+            out = runner.static_rows("block_tables", rows.shape[0])
+            arrays = {**arrays, "block_tables": self._tables(arrays, rows, out)}
         inputs: dict[str, Any] = {name: arrays[name] for name in runner.input_specs}
         copy_from = arrays.get("copy_from")
         if copy_from is not None:
             self.copy_blocks(copy_from, arrays["copy_to"])
         id_slots = arrays.get("id_slots")
-        if id_slots is not None:
-            inputs["input_ids"] = self._ids(inputs["input_ids"], id_slots)
         pending_slots = arrays.get("pending_slots")
-        if pending_slots is not None:
-            inputs["input_ids"] = self._ids(inputs["input_ids"], pending_slots, every=True)
+        if id_slots is not None or pending_slots is not None:
+            ids = inputs["input_ids"]
+            out = runner.static_rows("input_ids", ids.shape[0])
+            if id_slots is not None:
+                ids = self._ids(ids, id_slots, out=out)
+            if pending_slots is not None:
+                ids = self._ids(ids, pending_slots, every=True, out=out)
+            inputs["input_ids"] = ids
         return runner.run(context=context, **inputs)  # type: ignore[no-any-return]
 
-    def _tables(self, arrays: Mapping[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        """Apply the step's changes to the device's copy of the block tables, then its rows of it."""
+    def _tables(
+        self, arrays: Mapping[str, torch.Tensor], rows: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Apply the step's changes to the device's copy of the block tables, then its rows of it (into
+        ``out``, the runner's static rows, when given: the runner then copies nothing)."""
         tables, flat = self.tables, self._flat_tables
         if tables is None or flat is None:
             raise RuntimeError("a step sent table rows to a DeviceStep built without table_width (bug)")
@@ -150,7 +169,9 @@ class DeviceStep:
         at = arrays.get("table_at")
         if at is not None:  # an index repeats only with its own value (padding): the order cannot matter
             flat.index_copy_(0, at, arrays["table_values"])
-        return tables.index_select(0, rows)
+        if out is None or out.shape[1:] != tables.shape[1:]:
+            return tables.index_select(0, rows)
+        return torch.index_select(tables, 0, rows, out=out)
 
     def copy_blocks(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Copy-on-write: fill the private copies the scheduler gave requests of shared KV blocks."""
@@ -158,12 +179,22 @@ class DeviceStep:
             for cache in (*self.model.k_cache, *self.model.v_cache):
                 cache.index_copy_(0, targets, cache.index_select(0, sources))
 
-    def _ids(self, input_ids: torch.Tensor, slots: torch.Tensor, *, every: bool = False) -> torch.Tensor:
-        """The step's ids: from ``slots`` where pending (``every``: ``slots`` names one for every token)."""
+    def _ids(
+        self,
+        input_ids: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        every: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The step's ids: from ``slots`` where pending (``every``: ``slots`` names one for every token);
+        into ``out`` (the runner's static rows) when given, so the runner copies nothing."""
         if not self.leader:
-            ids = input_ids.clone()
+            ids = input_ids.clone() if out is None else (out if out is input_ids else out.copy_(input_ids))
+        elif every:
+            ids = self.slots.pending(slots, out=out)
         else:
-            ids = self.slots.pending(slots) if every else self.slots.ids(input_ids, slots)
+            ids = self.slots.ids(input_ids, slots, out=out)
         if self.group is not None:  # rank 0 holds the slots: every rank gets the step's ids from it
             torch.distributed.broadcast(ids, src=self.source, group=self.group)
         return ids

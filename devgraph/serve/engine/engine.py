@@ -587,8 +587,12 @@ class Engine:
                 logits = logits.index_select(0, sample_rows)
             elif logits.shape[0] != len(forward.sampled):  # padding rows (deterministic mode)
                 logits = logits[: len(forward.sampled)]
-            tokens, logprobs = sample_on_device(logits, plan, on_device)
-            self.device_step.slots.write(on_device["sample_slots"], tokens)
+            # Each token into its request's slot too, where the next step's ids come from. Greedy rows by
+            # torch's argmax, not the Triton kernels (fused=): those take 3.0 us of the device's time at
+            # one row against 8.6, but their two launches from Python cost 55 us of the host's against 12
+            # (benchmarks/results/h200-argmax.json), and the host is what a step of 32 requests waits on.
+            slots = (self.device_step.slots.tokens, on_device["sample_slots"])
+            tokens, logprobs = sample_on_device(logits, plan, on_device, write_to=slots)
             back += (tokens, *(logprobs.tensors() if logprobs is not None else ()))
         if forward.scored:
             assert hidden is not None  # prefill steps return every token's hidden state

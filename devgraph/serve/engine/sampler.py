@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from devgraph.reference.fused import greedy_tokens
 from devgraph.serve.engine.grammar import GrammarState, LogitsMasker
 from devgraph.serve.engine.request import Request, TokenLogprob
 
@@ -147,14 +148,23 @@ class Sampler:
 
 
 def sample_on_device(
-    logits: torch.Tensor, plan: SamplingPlan, arrays: Mapping[str, torch.Tensor]
+    logits: torch.Tensor,
+    plan: SamplingPlan,
+    arrays: Mapping[str, torch.Tensor],
+    *,
+    fused: bool = False,
+    write_to: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, LogprobTensors | None]:
     """The device half: ``logits [R, V]`` (row ``r``: ``plan.requests[r]``), ``arrays`` the plan's arrays
     on the logits' device -> the tokens ``[R]`` (int64) and the log-probability tensors of the rows that
-    want them; nothing is read back (a grammar's mask is computed on the host, from its current state)."""
+    want them; nothing is read back (a grammar's mask is computed on the host, from its current state).
+
+    ``write_to=(target, index)``: each token also goes to ``target[index[r]]`` (the engine's token slots).
+    ``fused``: greedy tokens from :func:`~devgraph.reference.fused.greedy_tokens`' Triton kernels, which
+    make that write themselves when every row is greedy (one launch fewer than argmax and a scatter)."""
     logits = _constrain(logits, plan.requests)
-    tokens = logits.argmax(dim=-1)
     rows = arrays.get("random_rows")
+    tokens = greedy_tokens(logits, fused, write_to if rows is None else None)
     if rows is not None:
         top_k = arrays["top_k"]
         top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
@@ -162,6 +172,8 @@ def sample_on_device(
         picked = _sample(chosen, arrays["temperature"], arrays["top_p"], top_k, arrays["uniform"])
         picked = torch.where(picked >= 0, picked, tokens.index_select(0, rows))
         tokens = tokens.index_copy(0, rows, picked)
+        if write_to is not None:
+            write_to[0].index_copy_(0, write_to[1], tokens)
     wanted = arrays.get("logprob_rows")
     if wanted is None:
         return tokens, None

@@ -12,8 +12,9 @@ graph's own ops on the CPU) are the graph's and are not counted.
 Phases, in step order: ``schedule``, ``stage`` (the batch's host tensors), ``plan`` (the sampling plan
 and the step's message), then the device half: ``message`` (the message's one copy to the device),
 ``cow`` (copy-on-write blocks), ``ids`` (pending ids from the token slots), ``runner`` (the runner's
-validation, static-input staging and output slicing), ``sample``, ``slots`` (sampled tokens into their
-slots), ``to_host`` (the copies back and their event), ``device`` (the rest of the device half); then
+validation, static-input staging and output slicing), ``sample`` (the sampled tokens into their slots
+too; Triton's launches counted by hand, being no aten ops), ``slots`` (a direct :meth:`TokenSlots.write`),
+``to_host`` (the copies back and their event), ``device`` (the rest of the device half); then
 ``read`` (the previous step's results) and ``engine`` (anything else in :meth:`Engine.step`).
 
 Each op is one of: ``view`` (metadata only: no device work anywhere), ``alloc`` (an allocation, or
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -182,14 +184,19 @@ class StepOps:
         else:
             self._undo.append(lambda: owner.__dict__.pop(attribute, None))
 
-    def _wrap_module(self, module: Any, attribute: str, phase: str) -> None:
+    def _wrap_module(
+        self, module: Any, attribute: str, phase: str, after: Callable[..., None] | None = None
+    ) -> None:
         original = getattr(module, attribute)
         census = self
 
         @functools.wraps(original)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             with census.phase(phase):
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                if after is not None:
+                    after(result, *args, **kwargs)
+                return result
 
         setattr(module, attribute, wrapped)
         self._undo.append(lambda: setattr(module, attribute, original))
@@ -237,6 +244,11 @@ class StepOps:
         self._undo.append(lambda: platform.__dict__.pop("record_event", None))
         self._wrap_module(engine_module, "sample_on_device", "sample")
         self._wrap_module(engine_module, "logprob_tensors", "sample")
+        # Triton's launches are no aten ops: the greedy kernels (loaded once a step sampled with them)
+        # are counted by hand, two launches a call.
+        argmax = sys.modules.get("devgraph.reference.kernels.triton_argmax")
+        if argmax is not None:
+            self._wrap_module(argmax, "argmax_rows", "sample", self._triton_launches(2, "triton_argmax"))
 
         original_step = engine.step
 
@@ -250,6 +262,14 @@ class StepOps:
 
         engine.step = counted_step
         self._undo.append(lambda: engine.__dict__.pop("step", None))
+
+    def _triton_launches(self, launches: int, name: str) -> Callable[..., None]:
+        def counted(*args: Any, **kwargs: Any) -> None:
+            if self._current is not None:
+                for _ in range(launches):
+                    self._current.add(self._phase[-1] if self._phase else "engine", name, "kernel")
+
+        return counted
 
     def __enter__(self) -> StepOps:
         self._install()

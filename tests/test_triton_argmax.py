@@ -1,0 +1,147 @@
+"""Greedy tokens from two Triton kernels (devgraph.reference.kernels.triton_argmax) and their use in sampling
+(devgraph.reference.fused.greedy_tokens, devgraph.serve.engine.sampler.sample_on_device).
+
+CPU: under ``TRITON_INTERPRET=1`` in a child process, ``torch.argmax`` bit for bit on every floating dtype at
+vocabularies that are and are not multiples of a chunk, with ties inside a chunk and across chunks, rows of
+``-inf``, ``+inf`` and NaN; the slot write; the sampler's fused path against its torch path with greedy and
+random rows mixed; the refusals. GPU (``cuda`` marker): a served vocabulary at 1-256 rows, plain and
+inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (the kernels are Triton)")
+
+_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from devgraph.reference.fused import greedy_tokens
+    from devgraph.reference.kernels.triton_argmax import BLOCK, argmax_rows
+    from devgraph.serve.engine.sampler import Sampler, sample_on_device
+    from devgraph.serve.engine.request import Request
+    from devgraph.serve.engine import SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rows, vocab in ((1, 3 * BLOCK + 17), (6, 2 * BLOCK), (6, BLOCK + 1), (2, 1), (3, 7)):
+            x = torch.randn(rows, vocab, generator=gen).to(dtype)
+            if vocab > BLOCK:  # equal maxima in two chunks, and twice in one chunk: the lowest index
+                x[0, vocab - 3] = x[0, 5] = x[0, 9] = 60
+            if rows > 1:
+                x[1] = float("-inf")  # no number larger than another: index 0
+            if rows > 2:
+                x[2, -1] = float("nan")  # a NaN beats everything, +inf included; the first NaN wins
+                x[2, 0] = float("inf")
+                if vocab > 2:
+                    x[2, 1] = float("nan")
+            if rows > 3:
+                x[3, -1] = float("inf")
+                x[3, 0] = -0.0
+            if rows > 4:
+                x[4] = 0.0
+                x[4, :: max(1, vocab // 5)] = -0.0  # -0.0 and 0.0 are equal: index 0
+            if rows > 5:
+                x[5, -1] = float("nan")  # the only NaN in the row's last chunk
+            got = argmax_rows(x)
+            assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (dtype, rows, vocab, got)
+            checked += 1
+    # Strided rows (a view of the leading rows' columns), and the slot write.
+    wide = torch.randn(4, 3 * BLOCK, generator=gen, dtype=torch.float16)
+    view = wide[:, : 2 * BLOCK + 5]
+    assert torch.equal(argmax_rows(view), view.argmax(-1))
+    target = torch.full((9,), -1, dtype=torch.int64)
+    index = torch.tensor([8, 0, 3, 5])
+    tokens = argmax_rows(view, target, index)
+    expected = torch.full((9,), -1, dtype=torch.int64).index_copy_(0, index, view.argmax(-1))
+    assert torch.equal(target, expected) and torch.equal(tokens, view.argmax(-1))
+    # greedy_tokens: the kernels when fused, torch when not, the same tokens and the same slots either way.
+    for fused in (True, False):
+        slots = torch.zeros(9, dtype=torch.int64)
+        assert torch.equal(greedy_tokens(view, fused, (slots, index)), view.argmax(-1))
+        assert torch.equal(slots, expected.clamp(min=0))
+    # The sampler: greedy and seeded random rows mixed, log probabilities asked; fused == torch.
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.8, top_k=50, seed=3),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, seed=5)]
+    logits = torch.randn(4, 3 * BLOCK + 1, generator=gen)
+    results = {}
+    for fused in (True, False):
+        requests = [Request(str(i), [1, 2, 3], p, 0.0) for i, p in enumerate(params)]
+        plan = Sampler().plan(requests)
+        slots = torch.zeros(16, dtype=torch.int64)
+        tokens, logprobs = sample_on_device(logits, plan, plan.arrays, fused=fused,
+                                            write_to=(slots, torch.tensor([3, 7, 1, 12])))
+        results[fused] = (tokens, slots, [t.clone() for t in logprobs.tensors()])
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    assert all(torch.equal(a, b) for a, b in zip(results[True][2], results[False][2]))
+    assert results[True][1][[3, 7, 1, 12]].tolist() == results[True][0].tolist()
+    print("argmax ok", checked)
+    """
+)
+
+
+def test_greedy_tokens_equal_torch_argmax_under_the_interpreter(run_under_triton_interpreter):
+    assert "argmax ok 15" in run_under_triton_interpreter(_SCRIPT)  # 3 dtypes x 5 shapes
+
+
+def test_what_the_kernels_cannot_take_is_refused_with_the_reason():
+    from devgraph.reference.kernels.triton_argmax import argmax_rows
+
+    for bad, reason in (
+        (torch.zeros(3, dtype=torch.int64).view(1, 3), "floating"),
+        (torch.zeros(2, 3, 4), "floating logits [R, V]"),
+        (torch.zeros(4, 3).t(), "unit-stride"),
+    ):
+        with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+            argmax_rows(bad)
+    with pytest.raises(ValueError, match="together"):
+        argmax_rows(torch.zeros(1, 3), target=torch.zeros(2, dtype=torch.int64))
+
+
+def test_unfused_greedy_tokens_are_torch_argmax_and_index_copy():
+    from devgraph.reference.fused import greedy_tokens
+
+    logits = torch.randn(5, 33)
+    logits[1, 3] = logits[1, 7] = 99
+    slots = torch.zeros(6, dtype=torch.int64)
+    tokens = greedy_tokens(logits, False, (slots, torch.tensor([5, 0, 2, 1, 3])))
+    assert torch.equal(tokens, logits.argmax(-1)) and tokens[1] == 3
+    assert slots.tolist() == [tokens[1], tokens[3], tokens[2], tokens[4], 0, tokens[0]]
+    # fused but on the CPU without the interpreter: torch's argmax, never a Triton launch on a CPU tensor
+    assert torch.equal(greedy_tokens(logits, True), logits.argmax(-1))
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+def test_on_a_gpu_greedy_tokens_equal_torch_argmax_plain_and_in_a_cuda_graph():
+    from devgraph.reference.kernels.triton_argmax import argmax_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 3, 32, 256):
+            x = torch.randn(rows, 151936, device="cuda", dtype=dtype, generator=gen)
+            x[0, 100] = x[0, 150000] = 80  # equal maxima far apart
+            if rows > 2:
+                x[1] = float("-inf")
+                x[2, 7000] = float("nan")
+            assert torch.equal(argmax_rows(x), x.argmax(-1)), (dtype, rows)
+    x = torch.randn(32, 151936, device="cuda", dtype=torch.bfloat16, generator=gen)
+    slots = torch.zeros(64, dtype=torch.int64, device="cuda")
+    index = torch.randperm(64, device="cuda")[:32]
+    argmax_rows(x, slots, index)  # compiled and loaded before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = argmax_rows(x, slots, index)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen.manual_seed(seed)))
+        slots.zero_()
+        graph.replay()
+        expected = x.argmax(-1)
+        assert torch.equal(out, expected)
+        assert torch.equal(slots[index], expected)
