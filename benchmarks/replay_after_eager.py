@@ -30,17 +30,10 @@ from harness.timing import graph_of, steps_in_turns
 
 
 def hand_graph(call: Any, thread_local: bool = False) -> Any:
+    """A ``torch.cuda.CUDAGraph`` of ``call``: the standard recipe (``graph_of``), or captured as devgraph
+    captures (``thread_local``)."""
     if not thread_local:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        return graph
+        return graph_of(call)[0]
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
