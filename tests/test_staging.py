@@ -370,18 +370,20 @@ def test_fills_that_overflow_are_refused_in_one_short_line(dtype, fill):
 @pytest.mark.parametrize("path", PATHS)
 def test_inputs_written_into_the_static_rows_are_not_copied_and_step_as_a_copy_would(path):
     """``static_rows``: an engine writes a step's input where the graph reads it and run() copies nothing
-    for it; on every path the outputs are those of the same inputs passed as the caller's own tensors."""
+    for it; the outputs are those of the same inputs passed as the caller's own tensors."""
     runner = runner_on(path)
     n = N_FOR[path]
     expected = runner.run(**good(n), copy=True)
     x_rows = runner.static_rows("x", n)
     idx_rows = runner.static_rows("idx", n)
-    if n > max(SIZES):  # past the largest key: the buffers hold fewer rows, so no static rows
+    if path == "before_capture" or n > max(SIZES):  # nothing captured yet; more rows than the buffers hold
         assert x_rows is None and idx_rows is None
         runner.close()
         return
     assert x_rows is not None and idx_rows is not None
     assert x_rows.data_ptr() == runner.static_inputs["x"].data_ptr() and x_rows.shape == (n, 4)
+    # another step first: the buffers hold its values, not this step's
+    runner.run(x=torch.full((n, 4), 5.0), idx=torch.full((n,), 3))
     torch.index_select(good(n)["x"], 0, torch.arange(n), out=x_rows)  # a producer writing in place
     idx_rows.copy_(good(n)["idx"])
     copies = []
@@ -404,6 +406,30 @@ def test_inputs_written_into_the_static_rows_are_not_copied_and_step_as_a_copy_w
     if path != "disabled":
         result = runner.verify(x=x_rows, idx=idx_rows)
         assert result.ok, result
+    runner.close()
+
+
+def test_no_static_rows_while_a_capture_could_reset_the_buffers_before_the_step():
+    """A key captured on first sight (lazy), a capture in the background, released graphs: a capture may come
+    between the write and the step, and it resets the buffers; so no rows, and the caller's own tensors."""
+    lazy = GraphRunner(forward, phase="decode", inputs=INPUTS, device="cpu", sizes=SIZES, lazy=True)
+    lazy.capture()
+    assert lazy.static_rows("x", 2) is None
+    assert torch.equal(lazy.run(**good(2)), forward(**good(2)))  # the key captured now, and still none
+    assert lazy.keys and lazy.static_rows("x", 2) is None
+    lazy.close()
+    from devgraph.runner.background import BackgroundCapture
+
+    runner = GraphRunner(forward, phase="decode", inputs=INPUTS, device="cpu", sizes=SIZES)
+    background = BackgroundCapture([runner])
+    background.step()  # one key of three captured
+    assert runner.static_rows("x", 1) is None
+    background.finish()
+    assert runner.static_rows("x", 1) is not None
+    runner.release()
+    assert runner.static_rows("x", 1) is None
+    runner.restore()
+    assert runner.static_rows("x", 1) is not None
     runner.close()
 
 

@@ -81,6 +81,15 @@ _SCRIPT = textwrap.dedent(
     assert torch.equal(results[True][1], results[False][1])
     assert all(torch.equal(a, b) for a, b in zip(results[True][2], results[False][2]))
     assert results[True][1][[3, 7, 1, 12]].tolist() == results[True][0].tolist()
+    # The op a decode graph's greedy tokens go through, and a tiny model's decode step with them.
+    from devgraph.reference import fused
+    torch.library.opcheck(fused._argmax_op, (torch.randn(3, 2 * BLOCK + 3, generator=gen),))
+    from devgraph.reference import ReferenceConfig, ReferenceModel, make_decode_batch
+    config = ReferenceConfig.preset("tiny", max_requests=4, dtype=torch.float16, kernels="triton")
+    model = ReferenceModel(config)
+    assert model.fused
+    logits, tokens = model.decode_step_with_greedy(**make_decode_batch(model, 3, seed=3))
+    assert torch.equal(tokens, logits.argmax(-1))
     print("argmax ok", checked)
     """
 )
@@ -145,3 +154,77 @@ def test_on_a_gpu_greedy_tokens_equal_torch_argmax_plain_and_in_a_cuda_graph():
         expected = x.argmax(-1)
         assert torch.equal(out, expected)
         assert torch.equal(slots[index], expected)
+
+
+class _OnlyToken:
+    """A grammar state whose masker allows one token, writing in place (as the protocol allows)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.masker = self
+
+    def mask(self, logits, rows, states):
+        for row, state in zip(rows, states, strict=True):
+            keep = logits[row, state.token].clone()
+            logits[row] = float("-inf")
+            logits[row, state.token] = keep
+        return logits
+
+
+def test_the_graphs_greedy_tokens_are_used_unless_a_grammar_masks_the_rows():
+    from devgraph.serve.engine import SamplingParams
+    from devgraph.serve.engine.request import Request
+    from devgraph.serve.engine.sampler import Sampler, sample_on_device
+
+    logits = torch.randn(3, 40)
+    requests = [Request(str(i), [1, 2], SamplingParams(temperature=0), 0.0) for i in range(3)]
+    plan = Sampler().plan(requests)
+    marked = torch.tensor([7, 8, 9])  # not the argmax: shows which tokens were taken
+    slots = torch.zeros(5, dtype=torch.int64)
+    tokens, _ = sample_on_device(
+        logits, plan, plan.arrays, greedy=marked, write_to=(slots, torch.tensor([4, 0, 2]))
+    )
+    assert tokens is marked and slots.tolist() == [8, 0, 9, 0, 7]
+    # a grammar on one row: every row's argmax of the masked logits, never the graph's tokens
+    requests[1].grammar = _OnlyToken(31)
+    plan = Sampler().plan(requests)
+    expected = logits.argmax(-1)
+    expected[1] = 31
+    tokens, _ = sample_on_device(logits.clone(), plan, plan.arrays, greedy=marked)
+    assert tokens.tolist() == expected.tolist()
+
+
+def test_a_decode_graph_gives_the_greedy_tokens_of_its_logits_at_every_size():
+    from devgraph.reference import ReferenceConfig, ReferenceModel, decode_runner, make_decode_batch
+
+    model = ReferenceModel(ReferenceConfig.preset("tiny", max_requests=8), seed=0)
+    runner = decode_runner(model, greedy=True, sizes=[1, 4, 8], progress=False)
+    runner.capture()
+    for n in (1, 3, 4, 6):
+        model.randomize_cache(seed=n)
+        batch = make_decode_batch(model, n, seed=n)
+        logits, tokens = runner.run(**batch, copy=True)
+        assert logits.shape[0] == tokens.shape[0] == n and tokens.dtype == torch.int64
+        assert torch.equal(tokens, logits.argmax(-1))
+        # the padded graph's logits: the eager step's up to float32 rounding of rows summed otherwise
+        torch.testing.assert_close(logits, model.decode_step(**batch), rtol=1e-4, atol=1e-4)
+    assert runner.stats()["replays"] == 4
+    runner.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(180)
+def test_on_a_gpu_a_decode_graph_samples_greedy_rows_inside_the_replay():
+    from devgraph.reference import ReferenceConfig, ReferenceModel, decode_runner, make_decode_batch
+
+    config = ReferenceConfig.preset("tiny", max_requests=8, dtype=torch.bfloat16, vocab_size=5000)
+    model = ReferenceModel(config, device="cuda", seed=0)
+    assert model.fused  # the Triton kernels on a GPU
+    runner = decode_runner(model, greedy=True, sizes=[1, 4, 8], progress=False)
+    runner.capture()
+    for n in (1, 3, 8):
+        model.randomize_cache(seed=n)
+        logits, tokens = runner.run(**make_decode_batch(model, n, seed=n), copy=True)
+        assert torch.equal(tokens, logits.argmax(-1)), n
+    assert runner.stats()["replays"] == 3
+    runner.close()

@@ -167,6 +167,16 @@ def _(x, weight, bias):  # type: ignore[no-untyped-def]
     return x.new_empty((*x.shape[:-1], *weight.shape[:-1]))  # F.linear's: a 1-D weight drops the last dim
 
 
+@torch.library.custom_op("devgraph_ref::argmax_rows", mutates_args=())
+def _argmax_op(logits: torch.Tensor) -> torch.Tensor:
+    return importlib.import_module("devgraph.reference.kernels.triton_argmax").argmax_rows(logits)  # type: ignore[no-any-return]
+
+
+@_argmax_op.register_fake
+def _(logits):  # type: ignore[no-untyped-def]
+    return logits.new_empty(logits.shape[:-1], dtype=torch.int64)
+
+
 @torch.library.custom_op("devgraph_ref::silu_mul", mutates_args=())
 def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
     return _ops().silu_mul(gate_up)
@@ -240,13 +250,15 @@ def greedy_tokens(
     if (
         fused
         and logits.dim() == 2
-        and logits.is_floating_point()
+        and logits.dtype in (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compare exactly
         and logits.stride(-1) == 1
         and logits.shape[-1] > 0
         and (logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
     ):
+        if write_to is None:  # one opaque op: a compiled forward (a decode graph's greedy tokens) keeps it
+            return _argmax_op(logits)  # type: ignore[no-any-return]
         argmax = importlib.import_module("devgraph.reference.kernels.triton_argmax")
-        return argmax.argmax_rows(logits, *(write_to or (None, None)))  # type: ignore[no-any-return]
+        return argmax.argmax_rows(logits, *write_to)  # type: ignore[no-any-return]
     tokens = logits.argmax(dim=-1)
     if write_to is not None:
         write_to[0].index_copy_(0, write_to[1], tokens)

@@ -16,6 +16,7 @@ from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.fused import (
     add_rms_norm,
     fused_kernels,
+    greedy_tokens,
     linear,
     qk_norm_rope,
     rms_norm,
@@ -343,6 +344,21 @@ class ReferenceModel(nn.Module):
         including this token) -> logits ``[B, vocab_size]``."""
         meta = PagedMetadata(slot_mapping, block_tables, seq_lens)
         return self.compute_logits(self.hidden_states(input_ids, positions, meta))
+
+    def decode_step_with_greedy(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode_step`'s logits ``[B, vocab_size]`` and each row's greedy token (int64 ``[B]``,
+        ``argmax``: the lowest id among equal maxima). In a graph of it, a server's greedy rows are sampled
+        inside the replay: on a GPU by two Triton kernels (:func:`~devgraph.reference.fused.greedy_tokens`,
+        ``torch.argmax``'s tokens bit for bit) instead of a launch of ``torch.argmax`` after it."""
+        logits = self.decode_step(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        return logits, greedy_tokens(logits, self.fused)
 
     def prefill_step(
         self,

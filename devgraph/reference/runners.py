@@ -12,10 +12,15 @@ from devgraph.reference.model import ReferenceModel
 __all__ = ["decode_runner", "prefill_runner", "verify_runner"]
 
 
-def decode_runner(model: ReferenceModel, **kwargs: Any) -> GraphRunner:
-    """A decode-phase runner over ``model.decode_step`` (sizes are batch sizes)."""
+def decode_runner(model: ReferenceModel, *, greedy: bool = False, **kwargs: Any) -> GraphRunner:
+    """A decode-phase runner over ``model.decode_step`` (sizes are batch sizes). ``greedy=True``: over
+    ``model.decode_step_with_greedy`` instead, returning ``(logits, each row's greedy token)``."""
     kwargs.setdefault("device", model.device)
-    return GraphRunner(model.decode_step, phase="decode", inputs=reference_inputs(model, "decode"), **kwargs)
+    forward: Callable[..., Any] = model.decode_step
+    if greedy:
+        kwargs.setdefault("output_axes", [TOKENS, TOKENS])
+        forward = model.decode_step_with_greedy
+    return GraphRunner(forward, phase="decode", inputs=reference_inputs(model, "decode"), **kwargs)
 
 
 def prefill_runner(model: ReferenceModel, *, hidden_states: bool = False, **kwargs: Any) -> GraphRunner:

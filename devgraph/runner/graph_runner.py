@@ -29,7 +29,7 @@ from devgraph.ranks import track_runner
 from devgraph.runner.capture.job import CaptureReport
 from devgraph.runner.handle import HostCopy, StepHandle, copy_to_host
 from devgraph.runner.inspection import describe_runner
-from devgraph.runner.life import GraphLife, Released
+from devgraph.runner.life import GraphLife, LifeState, Released
 from devgraph.runner.memory import GraphMemory, GraphMemoryEstimate
 from devgraph.runner.options import RunnerOptions, RunnerPlan, plan_runner
 from devgraph.runner.outputs.layout import OutputLayout
@@ -173,8 +173,10 @@ class GraphRunner:
 
     def static_rows(self, name: str, rows: int) -> torch.Tensor | None:
         """The first ``rows`` rows of input ``name``'s static buffer, where :meth:`run` would copy a step's
-        ``name`` of ``rows`` rows; ``None`` where there is no such buffer now (no input ``name``, more rows
-        than it holds, a closed runner).
+        ``name`` of ``rows`` rows; ``None`` where there is no such buffer (no input ``name``, more rows than
+        it holds) or a capture could still come between the write and the step and reset the buffers
+        (graphs not captured yet or being captured in the background, released, captured lazily on first
+        sight of a key, a closed runner): then pass the input as usual.
 
         An engine that produces an input on the device can write it here (``torch.index_select(...,
         out=rows)``) and pass this tensor to :meth:`run`, which then copies nothing for it: one device op
@@ -183,6 +185,8 @@ class GraphRunner:
         the run): another step in between would overwrite it. A forward that changes its inputs in place
         changes this tensor, which is the buffer itself."""
         with self._lock:
+            if self.life.state is not LifeState.CAPTURED or self.life.plan.capture.lazy:
+                return None
             return self._buffers.rows_of(name, rows)
 
     @property
@@ -296,7 +300,8 @@ class GraphRunner:
         fills) and returns outputs with row-major leaves cut to the real counts, else runs ``forward``
         eagerly (before ``capture()``, past the largest key, a variant not captured, ``can_run`` said no,
         or a mode without graphs) and counts why. Every path validates inputs the same way and never lets
-        the forward's in-place changes to inputs reach the caller. Returned tensors are valid until the
+        the forward's in-place changes to inputs reach the caller (but for an input written into
+        :meth:`static_rows`, which is the buffer itself). Returned tensors are valid until the
         next ``run()`` of any thread; ``copy=True`` returns owned tensors, ``out=`` copies into the
         caller's tensors (checked against the step's outputs once the step ran).
         """

@@ -7,15 +7,16 @@ step's device work outside its graph. Here the row is cut into ``BLOCK``-wide ch
 found by its own program (``[R, cdiv(V, BLOCK)]`` programs: every SM busy even at one row), and one
 program per row picks the best of its chunks.
 
-The result is ``torch.argmax``'s, bit for bit, for every floating dtype: values compare in float32 (exact
-for float16 and bfloat16); among equal maxima the lowest index wins; a NaN counts as larger than every
-number, so a row with one gives its first NaN's index, as ``torch.argmax`` does. The second kernel can
-also write each row's token into ``target[index[row]]`` (the serving engine's token slots), saving the
-scatter's own launch.
+The result is ``torch.argmax``'s, bit for bit, for float16, bfloat16 and float32 logits (the dtypes it
+takes): values compare in float32, exact for all three; among equal maxima the lowest index wins; a NaN
+counts as larger than every number, so a row with one gives its first NaN's index, as ``torch.argmax``
+does. The second kernel can also write each row's token into ``target[index[row]]`` (the serving engine's
+token slots), saving the scatter's own launch.
 
 They pay inside a graph: 3.0 us of the device's time at one row against ``torch.argmax``'s 8.6 there. Issued
 eagerly their two launches from Python cost about 54 us of the host's time against torch's 12
-(``h200-argmax.json``), which is why the serving engine, which samples after its graph, does not use them.
+(``h200-argmax.json``): the serving engine takes its greedy tokens from inside the decode graph
+(``ReferenceModel.decode_step_with_greedy``), not from a launch after it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "argmax_rows"]
+__all__ = ["BLOCK", "TAKES", "argmax_rows"]
 
+#: The logits' dtypes the kernels take (compared in float32, which holds each exactly).
+TAKES = (torch.float16, torch.bfloat16, torch.float32)
 #: Logits per first-stage program: 75 programs a row at a vocabulary of 151936.
 BLOCK = 2048
 #: Larger than any index: "no such element" in the min-reductions over indices.
@@ -93,9 +96,10 @@ def argmax_rows(
     ``target`` (int64, 1-D) and ``index`` (int64 ``[R]``), also ``target[index[r]] = token[r]`` (the indices
     distinct). ``block``: logits per first-stage program (a power of two; ``benchmarks/bench_argmax.py``
     times the choices). On a GPU, or on the CPU under Triton's interpreter."""
-    if logits.dim() != 2 or not logits.is_floating_point() or logits.stride(-1) != 1:
+    if logits.dim() != 2 or logits.dtype not in TAKES or logits.stride(-1) != 1:
         raise ValueError(
-            f"argmax_rows takes floating logits [R, V] with unit-stride rows; got {logits.dtype} "
+            "argmax_rows takes float16, bfloat16 or float32 logits [R, V] with unit-stride rows "
+            f"(torch.argmax takes the rest); got {logits.dtype} "
             f"{tuple(logits.shape)} with strides {logits.stride()}"
         )
     if (target is None) != (index is None):

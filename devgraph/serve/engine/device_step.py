@@ -189,8 +189,8 @@ class DeviceStep:
     ) -> torch.Tensor:
         """The step's ids: from ``slots`` where pending (``every``: ``slots`` names one for every token);
         into ``out`` (the runner's static rows) when given, so the runner copies nothing."""
-        if not self.leader:
-            ids = input_ids.clone() if out is None else (out if out is input_ids else out.copy_(input_ids))
+        if not self.leader:  # the broadcast below writes every id: no need to copy the message's in
+            ids = input_ids.clone() if out is None else out
         elif every:
             ids = self.slots.pending(slots, out=out)
         else:

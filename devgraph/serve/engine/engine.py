@@ -174,8 +174,9 @@ class Engine:
         group = getattr(model, "group", None)  # tensor parallel: capture handshake, per-step key check
         if group is not None:
             decode_sizes["process_group"] = prefill_sizes["process_group"] = group
+        # Greedy tokens come out of the decode graph with the logits: no argmax launched after the replay.
         self.decode_runner: GraphRunner = decode_runner(
-            model, config=graphs, progress=progress, **decode_sizes
+            model, config=graphs, progress=progress, greedy=True, **decode_sizes
         )
         self.prefill_runner: GraphRunner = prefill_runner(
             model,
@@ -579,20 +580,27 @@ class Engine:
         issue nothing."""
         on_device = self.message_memory.inputs(message)
         result = self.launch(forward.kind, message, on_device, batch.context)
-        logits, hidden = result if isinstance(result, tuple) else (result, None)
+        # decode: the logits and each row's greedy token (the graph's); prefill: the logits and the hidden
+        # states every prompt token's log probabilities come from
+        logits, second = result
+        hidden = second if forward.kind == "prefill" else None
+        greedy = second if forward.kind == "decode" else None
         back: list[torch.Tensor] = []
         if forward.sampled:
             sample_rows = on_device.get("sample_rows")  # absent: the leading rows sample, in order
             if sample_rows is not None:
                 logits = logits.index_select(0, sample_rows)
+                greedy = greedy.index_select(0, sample_rows) if greedy is not None else None
             elif logits.shape[0] != len(forward.sampled):  # padding rows (deterministic mode)
                 logits = logits[: len(forward.sampled)]
-            # Each token into its request's slot too, where the next step's ids come from. Greedy rows by
-            # torch's argmax, not the Triton kernels (fused=): those take 3.0 us of the device's time at
-            # one row against 8.6, but their two launches from Python cost 55 us of the host's against 12
-            # (benchmarks/results/h200-argmax.json), and the host is what a step of 32 requests waits on.
+                greedy = greedy[: len(forward.sampled)] if greedy is not None else None
+            # Each token into its request's slot too, where the next step's ids come from. A prefill's
+            # greedy rows by torch's argmax, not the Triton kernels (fused=): those take 3.0 us of the
+            # device's time at one row against 8.6, but their two launches from Python cost 55 us of the
+            # host's against 12 (benchmarks/results/h200-argmax.json); inside the decode graph they cost
+            # no launch at all.
             slots = (self.device_step.slots.tokens, on_device["sample_slots"])
-            tokens, logprobs = sample_on_device(logits, plan, on_device, write_to=slots)
+            tokens, logprobs = sample_on_device(logits, plan, on_device, greedy=greedy, write_to=slots)
             back += (tokens, *(logprobs.tensors() if logprobs is not None else ()))
         if forward.scored:
             assert hidden is not None  # prefill steps return every token's hidden state

@@ -153,6 +153,7 @@ def sample_on_device(
     arrays: Mapping[str, torch.Tensor],
     *,
     fused: bool = False,
+    greedy: torch.Tensor | None = None,
     write_to: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, LogprobTensors | None]:
     """The device half: ``logits [R, V]`` (row ``r``: ``plan.requests[r]``), ``arrays`` the plan's arrays
@@ -161,10 +162,19 @@ def sample_on_device(
 
     ``write_to=(target, index)``: each token also goes to ``target[index[r]]`` (the engine's token slots).
     ``fused``: greedy tokens from :func:`~devgraph.reference.fused.greedy_tokens`' Triton kernels, which
-    make that write themselves when every row is greedy (one launch fewer than argmax and a scatter)."""
+    make that write themselves when every row is greedy (one launch fewer than argmax and a scatter).
+    ``greedy``: each row's argmax of ``logits``, computed already (the decode graph's,
+    ``ReferenceModel.decode_step_with_greedy``): used as the greedy tokens unless a request's grammar
+    masks its row, which changes the argmax."""
+    constrained = any(request.grammar is not None for request in plan.requests)
     logits = _constrain(logits, plan.requests)
     rows = arrays.get("random_rows")
-    tokens = greedy_tokens(logits, fused, write_to if rows is None else None)
+    if greedy is not None and not constrained:
+        tokens = greedy
+        if rows is None and write_to is not None:
+            write_to[0].index_copy_(0, write_to[1], tokens)
+    else:
+        tokens = greedy_tokens(logits, fused, write_to if rows is None else None)
     if rows is not None:
         top_k = arrays["top_k"]
         top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
