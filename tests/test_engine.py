@@ -357,6 +357,21 @@ def test_graphs_give_the_same_tokens_as_disabled_on_the_same_schedule(
     graphs.close()
 
 
+@pytest.mark.parametrize("mode", ["disabled", "auto"])
+def test_a_prompt_scored_in_a_step_that_carries_decodes_finishes_with_its_neighbours(
+    model: ReferenceModel, mode: str
+) -> None:
+    """A mixed step (a prompt chunk with decodes riding along) runs on the prefill runner: its second output
+    is the hidden states the prompt's log probabilities come from, not the decode graph's greedy tokens."""
+    engine = _engine(model, mode, max_running_requests=8)
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=4, prompt_logprobs=1)]
+    outputs = engine.generate([[1, 2, 3, 4, 5], list(range(10, 50))], params)  # 40 tokens: two chunks
+    assert engine.stats()["steps"].get("mixed", 0) > 0
+    assert [len(tokens) for tokens in outputs] == [6, 4]
+    assert dict(engine.finished_count) == {"length": 2}
+    engine.close()
+
+
 def test_deterministic_mode_tokens_do_not_depend_on_the_batch(model: ReferenceModel) -> None:
     prompts = _prompts(5, seed=2)
     params = [

@@ -356,7 +356,10 @@ class ReferenceModel(nn.Module):
         """:meth:`decode_step`'s logits ``[B, vocab_size]`` and each row's greedy token (int64 ``[B]``,
         ``argmax``: the lowest id among equal maxima). In a graph of it, a server's greedy rows are sampled
         inside the replay: on a GPU by two Triton kernels (:func:`~devgraph.reference.fused.greedy_tokens`,
-        ``torch.argmax``'s tokens bit for bit) instead of a launch of ``torch.argmax`` after it."""
+        ``torch.argmax``'s tokens bit for bit) instead of a launch of ``torch.argmax`` after it. A step run
+        eagerly launches the kernels from Python, several times ``torch.argmax``'s host time
+        (``benchmarks/results/h200-argmax.json``); the warm-ups before a capture do so too, so the capture
+        finds them built and loaded."""
         logits = self.decode_step(input_ids, positions, slot_mapping, block_tables, seq_lens)
         return logits, greedy_tokens(logits, self.fused)
 

@@ -580,11 +580,12 @@ class Engine:
         issue nothing."""
         on_device = self.message_memory.inputs(message)
         result = self.launch(forward.kind, message, on_device, batch.context)
-        # decode: the logits and each row's greedy token (the graph's); prefill: the logits and the hidden
-        # states every prompt token's log probabilities come from
+        # The decode runner: the logits and each row's greedy token (the graph's); the prefill runner (a
+        # prefill or a mixed step): the logits and the hidden states a prompt's log probabilities come from.
         logits, second = result
-        hidden = second if forward.kind == "prefill" else None
-        greedy = second if forward.kind == "decode" else None
+        on_decode_runner = self.device_step.runner(forward.kind) is self.decode_runner
+        hidden = None if on_decode_runner else second
+        greedy = second if on_decode_runner else None
         back: list[torch.Tensor] = []
         if forward.sampled:
             sample_rows = on_device.get("sample_rows")  # absent: the leading rows sample, in order
