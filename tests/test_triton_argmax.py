@@ -103,8 +103,9 @@ def test_what_the_kernels_cannot_take_is_refused_with_the_reason():
     from devgraph.reference.kernels.triton_argmax import argmax_rows
 
     for bad, reason in (
-        (torch.zeros(3, dtype=torch.int64).view(1, 3), "floating"),
-        (torch.zeros(2, 3, 4), "floating logits [R, V]"),
+        (torch.zeros(3, dtype=torch.int64).view(1, 3), "got torch.int64"),
+        (torch.zeros(1, 3, dtype=torch.float64), "got torch.float64"),  # compared in float32: not exact
+        (torch.zeros(2, 3, 4), "float32 logits [R, V]"),
         (torch.zeros(4, 3).t(), "unit-stride"),
     ):
         with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("]", r"\]")):
