@@ -90,6 +90,19 @@ _SCRIPT = textwrap.dedent(
     assert model.fused
     logits, tokens = model.decode_step_with_greedy(**make_decode_batch(model, 3, seed=3))
     assert torch.equal(tokens, logits.argmax(-1))
+    # The engine's census counts the two launches (no aten ops) where they ran: in the forward of a decode
+    # step run eagerly.
+    from devgraph.serve.engine import Engine, EngineConfig
+    from devgraph.serve.engine.step_ops import StepOps
+    settings = EngineConfig(max_running_requests=2, token_budget=16)
+    engine = Engine(model, settings, device_graph_mode="disabled", progress=False)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+    while not engine.step_counts["decode"]:
+        engine.step()
+    with StepOps(engine) as census:
+        engine.step()
+    assert census.steps[0].ops["runner"]["triton_argmax"] == 2, census.steps[0].ops
+    engine.close()
     print("argmax ok", checked)
     """
 )

@@ -13,12 +13,13 @@ Phases, in step order: ``schedule``, ``stage`` (the batch's host tensors), ``pla
 and the step's message), then the device half: ``message`` (the message's one copy to the device),
 ``cow`` (copy-on-write blocks), ``ids`` (pending ids from the token slots), ``runner`` (the runner's
 validation, static-input staging and output slicing), ``sample`` (the sampled tokens into their slots
-too; Triton's launches counted by hand, being no aten ops), ``slots`` (a direct :meth:`TokenSlots.write`),
+too), ``slots`` (a direct :meth:`TokenSlots.write`),
 ``to_host`` (the copies back and their event), ``device`` (the rest of the device half); then
 ``read`` (the previous step's results) and ``engine`` (anything else in :meth:`Engine.step`).
 
 Each op is one of: ``view`` (metadata only: no device work anywhere), ``alloc`` (an allocation, or
-``torch.tensor`` of a list), ``kernel`` (device work on a GPU when its tensors are there: a launch).
+``torch.tensor`` of a list), ``kernel`` (device work on a GPU when its tensors are there: a launch; the
+Triton greedy kernels, no aten ops, are counted by hand in the phase that launched them).
 ``copies`` counts the ops that move bytes between the host and the device (on the CPU, where nothing
 crosses, the crossings a GPU would make: the message's copy and each tensor copied back); ``events`` the
 device events recorded (the platform's ``record_event``).
@@ -184,19 +185,14 @@ class StepOps:
         else:
             self._undo.append(lambda: owner.__dict__.pop(attribute, None))
 
-    def _wrap_module(
-        self, module: Any, attribute: str, phase: str, after: Callable[..., None] | None = None
-    ) -> None:
+    def _wrap_module(self, module: Any, attribute: str, phase: str) -> None:
         original = getattr(module, attribute)
         census = self
 
         @functools.wraps(original)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             with census.phase(phase):
-                result = original(*args, **kwargs)
-                if after is not None:
-                    after(result, *args, **kwargs)
-                return result
+                return original(*args, **kwargs)
 
         setattr(module, attribute, wrapped)
         self._undo.append(lambda: setattr(module, attribute, original))
@@ -244,11 +240,12 @@ class StepOps:
         self._undo.append(lambda: platform.__dict__.pop("record_event", None))
         self._wrap_module(engine_module, "sample_on_device", "sample")
         self._wrap_module(engine_module, "logprob_tensors", "sample")
-        # Triton's launches are no aten ops: the greedy kernels (loaded once a step sampled with them)
-        # are counted by hand, two launches a call.
+        # Triton's launches are no aten ops: the greedy kernels (loaded once a step ran them) are counted by
+        # hand, two launches a call, in the phase that called them (the forward's, when a decode step runs
+        # eagerly; none in a replay, whose ops are the graph's).
         argmax = sys.modules.get("devgraph.reference.kernels.triton_argmax")
         if argmax is not None:
-            self._wrap_module(argmax, "argmax_rows", "sample", self._triton_launches(2, "triton_argmax"))
+            self._count_launches(argmax, "argmax_rows", 2, "triton_argmax")
 
         original_step = engine.step
 
@@ -263,13 +260,22 @@ class StepOps:
         engine.step = counted_step
         self._undo.append(lambda: engine.__dict__.pop("step", None))
 
-    def _triton_launches(self, launches: int, name: str) -> Callable[..., None]:
-        def counted(*args: Any, **kwargs: Any) -> None:
-            if self._current is not None:
-                for _ in range(launches):
-                    self._current.add(self._phase[-1] if self._phase else "engine", name, "kernel")
+    def _count_launches(self, module: Any, attribute: str, launches: int, name: str) -> None:
+        """``launches`` kernels named ``name`` counted per call of ``module.attribute``, in the caller's
+        phase."""
+        original = getattr(module, attribute)
+        census = self
 
-        return counted
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            phase = census._phase[-1] if census._phase else "engine"
+            if census._current is not None and phase != "replay":
+                for _ in range(launches):
+                    census._current.add(phase, name, "kernel")
+            return original(*args, **kwargs)
+
+        setattr(module, attribute, counted)
+        self._undo.append(lambda: setattr(module, attribute, original))
 
     def __enter__(self) -> StepOps:
         self._install()
