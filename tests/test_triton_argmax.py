@@ -1,11 +1,11 @@
 """Greedy tokens from two Triton kernels (devgraph.reference.kernels.triton_argmax) and their use in sampling
 (devgraph.reference.fused.greedy_tokens, devgraph.serve.engine.sampler.sample_on_device).
 
-CPU: under ``TRITON_INTERPRET=1`` in a child process, ``torch.argmax`` bit for bit on every floating dtype at
+CPU: under ``TRITON_INTERPRET=1`` in a child process, ``torch.argmax`` bit for bit on the three dtypes at
 vocabularies that are and are not multiples of a chunk, with ties inside a chunk and across chunks, rows of
-``-inf``, ``+inf`` and NaN; the slot write; the sampler's fused path against its torch path with greedy and
-random rows mixed; the refusals. GPU (``cuda`` marker): a served vocabulary at 1-256 rows, plain and
-inside a CUDA graph.
+``-inf``, ``+inf`` and NaN; the sampler given the kernels' greedy tokens against its own argmax, with greedy
+and random rows mixed, and its slot write; the refusals. GPU (``cuda`` marker): a served vocabulary at
+1-256 rows, plain and inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -51,32 +51,26 @@ _SCRIPT = textwrap.dedent(
             got = argmax_rows(x)
             assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (dtype, rows, vocab, got)
             checked += 1
-    # Strided rows (a view of the leading rows' columns), and the slot write.
+    # Strided rows (a view of the leading rows' columns).
     wide = torch.randn(4, 3 * BLOCK, generator=gen, dtype=torch.float16)
     view = wide[:, : 2 * BLOCK + 5]
     assert torch.equal(argmax_rows(view), view.argmax(-1))
-    target = torch.full((9,), -1, dtype=torch.int64)
-    index = torch.tensor([8, 0, 3, 5])
-    tokens = argmax_rows(view, target, index)
-    expected = torch.full((9,), -1, dtype=torch.int64).index_copy_(0, index, view.argmax(-1))
-    assert torch.equal(target, expected) and torch.equal(tokens, view.argmax(-1))
-    # greedy_tokens: the kernels when fused, torch when not, the same tokens and the same slots either way.
+    # greedy_tokens: the kernels when fused, torch when not, the same tokens either way.
     for fused in (True, False):
-        slots = torch.zeros(9, dtype=torch.int64)
-        assert torch.equal(greedy_tokens(view, fused, (slots, index)), view.argmax(-1))
-        assert torch.equal(slots, expected.clamp(min=0))
-    # The sampler: greedy and seeded random rows mixed, log probabilities asked; fused == torch.
+        assert torch.equal(greedy_tokens(view, fused), view.argmax(-1))
+    # The sampler: greedy and seeded random rows mixed, log probabilities asked; its greedy tokens from the
+    # kernels (as a decode graph gives them) or its own argmax: the same tokens, slots and log probabilities.
     params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.8, top_k=50, seed=3),
               SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9, seed=5)]
     logits = torch.randn(4, 3 * BLOCK + 1, generator=gen)
     results = {}
-    for fused in (True, False):
+    for greedy in (argmax_rows(logits), None):
         requests = [Request(str(i), [1, 2, 3], p, 0.0) for i, p in enumerate(params)]
         plan = Sampler().plan(requests)
         slots = torch.zeros(16, dtype=torch.int64)
-        tokens, logprobs = sample_on_device(logits, plan, plan.arrays, fused=fused,
+        tokens, logprobs = sample_on_device(logits, plan, plan.arrays, greedy=greedy,
                                             write_to=(slots, torch.tensor([3, 7, 1, 12])))
-        results[fused] = (tokens, slots, [t.clone() for t in logprobs.tensors()])
+        results[greedy is None] = (tokens, slots, [t.clone() for t in logprobs.tensors()])
     assert torch.equal(results[True][0], results[False][0])
     assert torch.equal(results[True][1], results[False][1])
     assert all(torch.equal(a, b) for a, b in zip(results[True][2], results[False][2]))
@@ -123,18 +117,24 @@ def test_what_the_kernels_cannot_take_is_refused_with_the_reason():
     ):
         with pytest.raises(ValueError, match=reason.replace("[", r"\[").replace("]", r"\]")):
             argmax_rows(bad)
-    with pytest.raises(ValueError, match="together"):
-        argmax_rows(torch.zeros(1, 3), target=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="power of two"):
+        argmax_rows(torch.zeros(1, 3), block=100)
 
 
-def test_unfused_greedy_tokens_are_torch_argmax_and_index_copy():
+def test_unfused_greedy_tokens_are_torch_argmax_and_the_sampler_writes_each_into_its_slot():
     from devgraph.reference.fused import greedy_tokens
+    from devgraph.serve.engine import SamplingParams
+    from devgraph.serve.engine.request import Request
+    from devgraph.serve.engine.sampler import Sampler, sample_on_device
 
     logits = torch.randn(5, 33)
     logits[1, 3] = logits[1, 7] = 99
-    slots = torch.zeros(6, dtype=torch.int64)
-    tokens = greedy_tokens(logits, False, (slots, torch.tensor([5, 0, 2, 1, 3])))
+    tokens = greedy_tokens(logits, False)
     assert torch.equal(tokens, logits.argmax(-1)) and tokens[1] == 3
+    plan = Sampler().plan([Request(str(i), [1], SamplingParams(temperature=0), 0.0) for i in range(5)])
+    slots = torch.zeros(6, dtype=torch.int64)
+    sampled, _ = sample_on_device(logits, plan, plan.arrays, write_to=(slots, torch.tensor([5, 0, 2, 1, 3])))
+    assert torch.equal(sampled, tokens)
     assert slots.tolist() == [tokens[1], tokens[3], tokens[2], tokens[4], 0, tokens[0]]
     # fused but on the CPU without the interpreter: torch's argmax, never a Triton launch on a CPU tensor
     assert torch.equal(greedy_tokens(logits, True), logits.argmax(-1))
@@ -155,19 +155,14 @@ def test_on_a_gpu_greedy_tokens_equal_torch_argmax_plain_and_in_a_cuda_graph():
                 x[2, 7000] = float("nan")
             assert torch.equal(argmax_rows(x), x.argmax(-1)), (dtype, rows)
     x = torch.randn(32, 151936, device="cuda", dtype=torch.bfloat16, generator=gen)
-    slots = torch.zeros(64, dtype=torch.int64, device="cuda")
-    index = torch.randperm(64, device="cuda")[:32]
-    argmax_rows(x, slots, index)  # compiled and loaded before the capture
+    argmax_rows(x)  # compiled and loaded before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = argmax_rows(x, slots, index)
+        out = argmax_rows(x)
     for seed in range(3):
         x.copy_(torch.randn(x.shape, device="cuda", generator=gen.manual_seed(seed)))
-        slots.zero_()
         graph.replay()
-        expected = x.argmax(-1)
-        assert torch.equal(out, expected)
-        assert torch.equal(slots[index], expected)
+        assert torch.equal(out, x.argmax(-1))
 
 
 class _OnlyToken:

@@ -238,15 +238,10 @@ def linear(
     return _linear_op(x, weight, bias)
 
 
-def greedy_tokens(
-    logits: torch.Tensor,
-    fused: bool,
-    write_to: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """``logits.argmax(-1)`` for ``logits [R, V]`` (int64 ``[R]``); ``write_to=(target, index)`` also sets
-    ``target[index[r]]`` to row ``r``'s token (distinct indices). Fused: the two Triton kernels of
-    :mod:`~devgraph.reference.kernels.triton_argmax` (the same tokens, bit for bit, and the write done by
-    the second of them); else ``torch.argmax`` and ``index_copy_``."""
+def greedy_tokens(logits: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``logits [R, V]`` (int64 ``[R]``). Fused: one op over the two Triton
+    kernels of :mod:`~devgraph.reference.kernels.triton_argmax` (the same tokens, bit for bit; opaque, so a
+    compiled forward keeps it whole), where they take the logits; else ``torch.argmax``."""
     if (
         fused
         and logits.dim() == 2
@@ -255,14 +250,8 @@ def greedy_tokens(
         and logits.shape[-1] > 0
         and (logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
     ):
-        if write_to is None:  # one opaque op: a compiled forward (a decode graph's greedy tokens) keeps it
-            return _argmax_op(logits)  # type: ignore[no-any-return]
-        argmax = importlib.import_module("devgraph.reference.kernels.triton_argmax")
-        return argmax.argmax_rows(logits, *write_to)  # type: ignore[no-any-return]
-    tokens = logits.argmax(dim=-1)
-    if write_to is not None:
-        write_to[0].index_copy_(0, write_to[1], tokens)
-    return tokens
+        return _argmax_op(logits)  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1)
 
 
 def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:

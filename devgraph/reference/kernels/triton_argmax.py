@@ -10,8 +10,7 @@ program per row picks the best of its chunks.
 The result is ``torch.argmax``'s, bit for bit, for float16, bfloat16 and float32 logits (the dtypes it
 takes): values compare in float32, exact for all three; among equal maxima the lowest index wins; a NaN
 counts as larger than every number, so a row with one gives its first NaN's index, as ``torch.argmax``
-does. The second kernel can also write each row's token into ``target[index[row]]`` (the serving engine's
-token slots), saving the scatter's own launch.
+does.
 
 They pay inside a graph: 3.0 us of the device's time at one row against ``torch.argmax``'s 8.6 there. Issued
 eagerly their two launches from Python cost about 54 us of the host's time against torch's 12
@@ -57,18 +56,7 @@ def _chunk_best_kernel(
 
 
 @triton.jit
-def _row_best_kernel(
-    best_val,
-    best_idx,
-    first_nan,
-    out,
-    target,
-    index,
-    chunks,
-    SCATTER: tl.constexpr,
-    CHUNKS: tl.constexpr,
-    NONE: tl.constexpr,
-):
+def _row_best_kernel(best_val, best_idx, first_nan, out, chunks, CHUNKS: tl.constexpr, NONE: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNKS)
     inside = offs < chunks
@@ -79,31 +67,19 @@ def _row_best_kernel(
     best = tl.max(vals, axis=0)
     token = tl.min(tl.where(vals == best, idxs, NONE), axis=0)
     nan = tl.min(nans, axis=0)
-    token = tl.where(nan < NONE, nan, token).to(tl.int64)
-    tl.store(out + row, token)
-    if SCATTER:
-        tl.store(target + tl.load(index + row), token)
+    tl.store(out + row, tl.where(nan < NONE, nan, token).to(tl.int64))
 
 
-def argmax_rows(
-    logits: torch.Tensor,
-    target: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    *,
-    block: int = BLOCK,
-) -> torch.Tensor:
-    """``logits.argmax(-1)`` for ``logits [R, V]`` (floating, rows of unit stride) as int64 ``[R]``; with
-    ``target`` (int64, 1-D) and ``index`` (int64 ``[R]``), also ``target[index[r]] = token[r]`` (the indices
-    distinct). ``block``: logits per first-stage program (a power of two; ``benchmarks/bench_argmax.py``
-    times the choices). On a GPU, or on the CPU under Triton's interpreter."""
+def argmax_rows(logits: torch.Tensor, *, block: int = BLOCK) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``logits [R, V]`` (:data:`TAKES`, rows of unit stride) as int64 ``[R]``.
+    ``block``: logits per first-stage program (a power of two; ``benchmarks/bench_argmax.py`` times the
+    choices). On a GPU, or on the CPU under Triton's interpreter."""
     if logits.dim() != 2 or logits.dtype not in TAKES or logits.stride(-1) != 1:
         raise ValueError(
             "argmax_rows takes float16, bfloat16 or float32 logits [R, V] with unit-stride rows "
             f"(torch.argmax takes the rest); got {logits.dtype} "
             f"{tuple(logits.shape)} with strides {logits.stride()}"
         )
-    if (target is None) != (index is None):
-        raise ValueError("argmax_rows takes target= and index= together (or neither)")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -122,11 +98,8 @@ def argmax_rows(
         logits, best_val, best_idx, first_nan, vocab, logits.stride(0), chunks, BLOCK=block, NONE=_NONE,
         num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
-    scatter = target is not None
     _row_best_kernel[(rows,)](
-        best_val, best_idx, first_nan, out,
-        target if scatter else out, index if scatter else out,
-        chunks, SCATTER=scatter, CHUNKS=max(triton.next_power_of_2(chunks), 16), NONE=_NONE,
-        num_warps=4 if chunks > 256 else 1,
+        best_val, best_idx, first_nan, out, chunks, CHUNKS=max(triton.next_power_of_2(chunks), 16),
+        NONE=_NONE, num_warps=4 if chunks > 256 else 1,
     )  # fmt: skip
     return out

@@ -18,8 +18,7 @@ of the work around the forward, named in :data:`STEP_ARRAYS`. :meth:`DeviceStep.
 The step's ids and its rows of the block tables are written straight into the runner's static input
 rows (:meth:`~devgraph.runner.graph_runner.GraphRunner.static_rows`), so the runner copies neither.
 Rank 0's engine then samples on the device and writes each sampled token into its request's slot
-(``TokenSlots.tokens``; the greedy kernels write it themselves), where the next step's ids come from: the
-host reads the tokens a step later.
+(``TokenSlots.tokens``), where the next step's ids come from: the host reads the tokens a step later.
 Everything is issued on one stream, in step order: a KV block or a slot that the host hands to another
 request after step N was issued is written by later work only, which the device runs after step N.
 """

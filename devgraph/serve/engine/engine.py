@@ -596,10 +596,9 @@ class Engine:
                 logits = logits[: len(forward.sampled)]
                 greedy = greedy[: len(forward.sampled)] if greedy is not None else None
             # Each token into its request's slot too, where the next step's ids come from. A prefill's
-            # greedy rows by torch's argmax, not the Triton kernels (fused=): those take 3.0 us of the
-            # device's time at one row against 8.6, but their two launches from Python cost 55 us of the
-            # host's against 12 (benchmarks/results/h200-argmax.json); inside the decode graph they cost
-            # no launch at all.
+            # greedy rows by torch's argmax after the graph: the Triton kernels take 3.0 us of the device's
+            # time at one row against 8.6, but their two launches from Python cost 54 us of the host's
+            # against 12 (benchmarks/results/h200-argmax.json); inside the decode graph they cost none.
             slots = (self.device_step.slots.tokens, on_device["sample_slots"])
             tokens, logprobs = sample_on_device(logits, plan, on_device, greedy=greedy, write_to=slots)
             back += (tokens, *(logprobs.tensors() if logprobs is not None else ()))

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from devgraph.reference.fused import greedy_tokens
 from devgraph.serve.engine.grammar import GrammarState, LogitsMasker
 from devgraph.serve.engine.request import Request, TokenLogprob
 
@@ -152,7 +151,6 @@ def sample_on_device(
     plan: SamplingPlan,
     arrays: Mapping[str, torch.Tensor],
     *,
-    fused: bool = False,
     greedy: torch.Tensor | None = None,
     write_to: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, LogprobTensors | None]:
@@ -160,21 +158,14 @@ def sample_on_device(
     on the logits' device -> the tokens ``[R]`` (int64) and the log-probability tensors of the rows that
     want them; nothing is read back (a grammar's mask is computed on the host, from its current state).
 
-    ``write_to=(target, index)``: each token also goes to ``target[index[r]]`` (the engine's token slots).
-    ``fused``: greedy tokens from :func:`~devgraph.reference.fused.greedy_tokens`' Triton kernels, which
-    make that write themselves when every row is greedy (one launch fewer than argmax and a scatter).
     ``greedy``: each row's argmax of ``logits``, computed already (the decode graph's,
     ``ReferenceModel.decode_step_with_greedy``): used as the greedy tokens unless a request's grammar
-    masks its row, which changes the argmax."""
+    masks its row, which changes the argmax. ``write_to=(target, index)``: each token also goes to
+    ``target[index[r]]`` (the engine's token slots)."""
     constrained = any(request.grammar is not None for request in plan.requests)
     logits = _constrain(logits, plan.requests)
+    tokens = greedy if greedy is not None and not constrained else logits.argmax(dim=-1)
     rows = arrays.get("random_rows")
-    if greedy is not None and not constrained:
-        tokens = greedy
-        if rows is None and write_to is not None:
-            write_to[0].index_copy_(0, write_to[1], tokens)
-    else:
-        tokens = greedy_tokens(logits, fused, write_to if rows is None else None)
     if rows is not None:
         top_k = arrays["top_k"]
         top_k = torch.where(top_k > 0, top_k, torch.full_like(top_k, logits.shape[-1]))
@@ -182,8 +173,8 @@ def sample_on_device(
         picked = _sample(chosen, arrays["temperature"], arrays["top_p"], top_k, arrays["uniform"])
         picked = torch.where(picked >= 0, picked, tokens.index_select(0, rows))
         tokens = tokens.index_copy(0, rows, picked)
-        if write_to is not None:
-            write_to[0].index_copy_(0, write_to[1], tokens)
+    if write_to is not None:
+        write_to[0].index_copy_(0, write_to[1], tokens)
     wanted = arrays.get("logprob_rows")
     if wanted is None:
         return tokens, None
