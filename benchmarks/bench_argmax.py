@@ -47,15 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_argmax.py times GPU kernels: no CUDA GPU here", file=sys.stderr)
         return 2
+    from harness.device import Device
+    from harness.floor import copy_bandwidth
     from harness.timing import steps_in_turns
 
     from devgraph.reference.kernels.triton_argmax import BLOCK, argmax_rows
 
     out = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / "argmax.json")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    probe = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    copy_gbps = _copy_bandwidth(probe)
-    del probe
+    # bytes read per second by a large device-to-device copy (its figure counts bytes read and written)
+    copy_gbps = copy_bandwidth(Device("cuda"), 128 << 20)["GBps"] / 2
     result: dict[str, Any] = {
         "meta": {
             "command": "python3 benchmarks/bench_argmax.py " + " ".join(argv or sys.argv[1:]),
@@ -94,21 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     _plot(result, out.with_suffix(".png"))
     print(f"wrote {out}")
     return 0
-
-
-def _copy_bandwidth(buffer: torch.Tensor) -> float:
-    """GB/s read by a device-to-device copy of ``buffer`` (half read, half written)."""
-    half = buffer.numel() // 2
-    src, dst = buffer[:half], buffer[half:]
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return half * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

@@ -185,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="JSON path (default: $OUT/step-ops.json on a GPU, else results/)")
     parser.add_argument("--before", help="an earlier report of this script: its totals go in as 'before'")
     args = parser.parse_args(argv)
+    if args.timeline and args.device == "cpu":
+        parser.error("--timeline profiles a GPU's device timeline: add --device cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA GPU here; count on the CPU (the default)", file=sys.stderr)
         return 2
@@ -206,8 +208,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     start = time.perf_counter()
     for batch in args.batches:
-        if args.timeline and args.device == "cpu":
-            parser.error("--timeline profiles a GPU's device timeline: add --device cuda")
         result = count(
             batch,
             args.device,

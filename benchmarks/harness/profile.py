@@ -10,18 +10,26 @@ import torch
 __all__ = ["kernel_times", "replay_gaps"]
 
 
-def kernel_times(step: Callable[[], Any], steps: int) -> dict[str, tuple[float, float]]:
-    """Per kernel name (cut to 100 characters): ``(launches, device microseconds)`` per step, over ``steps``
-    steps after one untimed step."""
-    from torch.profiler import ProfilerActivity, profile
+def _profiled(step: Callable[[], Any], steps: int, activities: list[Any]) -> Any:
+    """The profiler of ``steps`` calls of ``step`` (``activities``), after one untimed call."""
+    from torch.profiler import profile
 
     with torch.no_grad():
         step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=activities) as prof:
             for _ in range(steps):
                 step()
             torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(step: Callable[[], Any], steps: int) -> dict[str, tuple[float, float]]:
+    """Per kernel name (cut to 100 characters): ``(launches, device microseconds)`` per step, over ``steps``
+    steps after one untimed step."""
+    from torch.profiler import ProfilerActivity
+
+    prof = _profiled(step, steps, [ProfilerActivity.CUDA])
     times: dict[str, tuple[float, float]] = {}
     for event in prof.key_averages():
         spent = getattr(event, "self_device_time_total", None)
@@ -67,15 +75,7 @@ def _replay_gaps(step: Callable[[], Any], steps: int, activities: list[Any]) -> 
     import statistics
     import tempfile
 
-    from torch.profiler import profile
-
-    with torch.no_grad():
-        step()
-        torch.cuda.synchronize()
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
+    prof = _profiled(step, steps, activities)
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
