@@ -162,9 +162,8 @@ def sample_on_device(
     ``ReferenceModel.decode_step_with_greedy``): used as the greedy tokens unless a request's grammar
     masks its row, which changes the argmax. ``write_to=(target, index)``: each token also goes to
     ``target[index[r]]`` (the engine's token slots)."""
-    constrained = any(request.grammar is not None for request in plan.requests)
-    logits = _constrain(logits, plan.requests)
-    tokens = greedy if greedy is not None and not constrained else logits.argmax(dim=-1)
+    logits, masked = _constrain(logits, plan.requests)
+    tokens = greedy if greedy is not None and not masked else logits.argmax(dim=-1)
     rows = arrays.get("random_rows")
     if rows is not None:
         top_k = arrays["top_k"]
@@ -238,8 +237,9 @@ def logprob_entries(host: LogprobTensors, counts: Sequence[int]) -> list[TokenLo
     ]
 
 
-def _constrain(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """The logits with each constrained row masked by its grammar (one masker call per tokenizer)."""
+def _constrain(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, bool]:
+    """The logits with each constrained row masked by its grammar (one masker call per tokenizer), and
+    whether any row was (a masker may write in place, so the tensor alone does not say)."""
     groups: dict[int, tuple[LogitsMasker, list[int], list[GrammarState]]] = {}
     for row, request in enumerate(requests):
         state = request.grammar
@@ -250,7 +250,7 @@ def _constrain(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tenso
             states.append(state)
     for masker, rows, states in groups.values():
         logits = masker.mask(logits, rows, states)
-    return logits
+    return logits, bool(groups)
 
 
 def _sample(
