@@ -234,30 +234,33 @@ def _kernel_table(step: Callable[[], Any], steps: int, top: int = 14) -> dict[st
     return table
 
 
-def _one_gpu(config: Any, device: torch.device, steps: int) -> dict[str, Any]:
-    """The same layers on this GPU alone (the plain reference model): its decode step at batch 1, timed
+def _one_gpu(config: Any, device: torch.device, steps: int, batches: tuple[int, ...]) -> dict[str, Any]:
+    """The same layers on this GPU alone (the plain reference model): its decode step at each batch, timed
     and by kernel, beside the tensor-parallel one."""
     from devgraph.reference import ReferenceModel, decode_runner, make_decode_batch
 
     model = ReferenceModel(config, device=device, seed=0)
     model.randomize_cache(seed=0)
-    runner = decode_runner(model, mode="full", sizes=[1], progress=False)
+    runner = decode_runner(model, mode="full", sizes=list(batches), progress=False)
+    row: dict[str, Any] = {}
     try:
         runner.capture()
-        batch = make_decode_batch(model, 1, seq_lens=256, seed=1)
-        with torch.no_grad():
-            for _ in range(3):
-                runner.run(**batch)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                runner.run(**batch)
-            end.record()
-            end.synchronize()
-        return {
-            "batch1_ms_per_step": start.elapsed_time(end) / steps,
-            "batch1_kernels_us_per_step": _kernel_table(functools.partial(runner.run, **batch), steps),
-        }
+        for n in batches:
+            batch = make_decode_batch(model, n, seq_lens=256, seed=n)
+            with torch.no_grad():
+                for _ in range(3):
+                    runner.run(**batch)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(steps):
+                    runner.run(**batch)
+                end.record()
+                end.synchronize()
+            row[f"batch{n}_ms_per_step"] = start.elapsed_time(end) / steps
+            row[f"batch{n}_kernels_us_per_step"] = _kernel_table(
+                functools.partial(runner.run, **batch), steps
+            )
+        return row
     finally:
         runner.close()
         del model, runner
@@ -336,10 +339,11 @@ def decode_model(r: Rank, device: torch.device) -> None:
                     end.synchronize()
                 row[f"batch{n}_ms_per_step"] = start.elapsed_time(end) / args.steps
             if args.profile_kernels:
-                batch = make_decode_batch(model, 1, seq_lens=256, seed=1)
-                row["batch1_kernels_us_per_step"] = _kernel_table(
-                    functools.partial(runner.run, **batch), args.steps
-                )
+                for n in batches:
+                    batch = make_decode_batch(model, n, seq_lens=256, seed=n)
+                    row[f"batch{n}_kernels_us_per_step"] = _kernel_table(
+                        functools.partial(runner.run, **batch), args.steps
+                    )
             out[comm] = row
         except Exception as exc:  # noqa: BLE001 - recorded; the ranks may be out of step now
             out[comm] = {"error": _err(exc), "traceback": traceback.format_exc()[-2000:]}
@@ -354,7 +358,7 @@ def decode_model(r: Rank, device: torch.device) -> None:
         r.found["decode_model"] = out
         r.save()
     if args.profile_kernels and r.rank == 0 and _go(r, device, args.deadline * 0.8):
-        out["one_gpu"] = _one_gpu(config, device, args.steps)
+        out["one_gpu"] = _one_gpu(config, device, args.steps, batches)
     for name in ("symm", "symm_fused"):
         if "torch" not in logits or name not in logits:
             continue

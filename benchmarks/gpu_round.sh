@@ -45,7 +45,8 @@ run_step() {  # run_step NAME: one step, its limit, its command
     case $name in
     suite) limit=560 cmd="pytest_json cuda-suite 120 -m 'cuda and not multi_gpu' tests" ;;
     suite_fast) limit=300 cmd="pytest_json cuda-suite-fast 150 -m 'cuda and not multi_gpu and not slow' tests" ;;
-    multi_tests) limit=280 cmd="pytest_json multi-gpu 120 -m multi_gpu tests" ;;
+    multi_tests) limit=420 cmd="pytest_json multi-gpu 120 -m multi_gpu tests" ;;
+    multi_rest) limit=200 cmd="pytest_json multi-rest 120 -m multi_gpu tests/test_tp.py tests/test_tp_channel.py -k 'destroy or fused or symm or worker_on_another'" ;;
     sanitizer) limit=100 cmd="$PY benchmarks/bench_sanitizer.py --out $R/sanitizer.json" ;;
     inplace) limit=180 cmd="$PY benchmarks/bench_inplace_cache.py --out $R/inplace-cache.json --time-budget 160" ;;
     prompt_logprobs) limit=80 cmd="cd benchmarks && PYTHONPATH=..:.:\${PYTHONPATH:-} $PY bench_prompt_logprobs.py --out $R/prompt-logprobs.json" ;;

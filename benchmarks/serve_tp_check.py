@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -93,7 +94,9 @@ def _weights(served: Served, checkpoint: dict[str, Any], ranks: int) -> dict[str
     }
 
 
-def _serve_model(model: Model, plan: Plan, work: Path, budget: Budget, data: dict[str, Any]) -> None:
+def _serve_model(
+    model: Model, plan: Plan, work: Path, budget: Budget, data: dict[str, Any], flags: list[str]
+) -> None:
     directory = work / model.name
     drawn_on = "cuda" if plan.device == "cuda" else "cpu"
     checkpoint = write_random_checkpoint(directory, "llama", device=drawn_on, words=True, **model.shape)
@@ -110,7 +113,7 @@ def _serve_model(model: Model, plan: Plan, work: Path, budget: Budget, data: dic
         if budget.left() < model.start_s:
             data["skipped"].append(f"{label}: {budget.left():.0f} s of the budget left")
             continue
-        extra = ["--dtype", "bfloat16"] + (["--tp", "2"] if ranks == 2 else [])
+        extra = ["--dtype", "bfloat16", *flags] + (["--tp", "2"] if ranks == 2 else [])
         try:
             served = start(label, directory, model, plan.device, extra, work, budget.left())
         except Exception as exc:  # recorded: a server that does not start is the finding
@@ -194,7 +197,7 @@ def run(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             if budget.left() < 2 * model.start_s:
                 data["skipped"].append(f"{model.name}: {budget.left():.0f} s of the budget left")
                 continue
-            _serve_model(model, plan, work, budget, data)
+            _serve_model(model, plan, work, budget, data, shlex.split(args.serve_flags or ""))
             if model.name == "8b":
                 if plan.device == "cuda":
                     data["floor"] = bandwidth_floor(data["checkpoints"]["8b"]["bytes"])
@@ -208,6 +211,13 @@ def run(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     data["targets"] = targets(data)
     data["total_s"] = round(time.monotonic() - budget.began, 1)
     return data
+
+
+def _split(decode: dict[str, Any]) -> str:
+    """A decode forward's issue and its parts' medians (ms): before its run, the run, after it (medians:
+    they need not add up)."""
+    parts = [decode.get(k, {}).get("p50") for k in ("issue_ms", "before_run_ms", "run_ms", "after_run_ms")]
+    return "{}; before run / run / after {} / {} / {}".format(*parts)
 
 
 def _print_server(label: str, record: dict[str, Any]) -> None:
@@ -224,6 +234,21 @@ def _print_server(label: str, record: dict[str, Any]) -> None:
             f"{load.get('output_tokens_per_s', 0):.0f} tok/s, decode step on device "
             f"{timeline.get('decode_device_ms', {}).get('p50')} ms, idle {timeline.get('idle_share')}"
         )
+        host = record.get("hosts", {}).get(name, {})
+        if host:
+            worker = host.get("worker", {})
+            parts.append(
+                f"  host: issue p50/p90 {host['issue_ms'].get('p50')}/{host['issue_ms'].get('p90')} ms "
+                f"(decode: {_split(host.get('decode', {}))}), "
+                f"cadence p50/p90 {host['cadence_ms'].get('p50')}/{host['cadence_ms'].get('p90')} ms"
+                + (
+                    f"; worker lag p50/p90 {worker['lag_ms'].get('p50')}/{worker['lag_ms'].get('p90')} ms, "
+                    f"issue p50 {worker['issue_ms'].get('p50')} ms, "
+                    f"behind p50 {worker['behind_ms'].get('p50')} ms"
+                    if worker.get("steps_matched")
+                    else ""
+                )
+            )
     print("\n    ".join(parts), flush=True)
 
 
@@ -237,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the --tp servers' all-reduce ({TP_COMM_ENV}: auto, torch, op or symm; default: the server's)",
     )
     parser.add_argument("--models", help="comma list of the plan's models to serve (default: all)")
+    parser.add_argument(
+        "--serve-flags", help='more flags for every bfloat16 server, one string ("--switch-interval-us 5000")'
+    )
     parser.add_argument(
         "--no-fp32",
         action="store_true",

@@ -431,6 +431,11 @@ def test_the_step_timeline_spans_each_forward_around_its_runs(model: ReferenceMo
             span["device_start_ms"] <= run["device_start_ms"] <= run["device_end_ms"] <= span["device_end_ms"]
         )
         assert span["host_s"] <= run["host_s"] and span["tokens"] == run["tokens"]
+        # The host clock when each returned: a run inside its span's issue.
+        assert run["host_s"] <= run["host_end_s"] <= span["host_end_s"]
+    # Each span's step number is its message's: one per forward, in issue order.
+    numbers = [span["step"] for span in spans]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
     engine.close()
 
 

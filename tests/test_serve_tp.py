@@ -93,10 +93,23 @@ def _check_equal_then_stop(servers: dict[str, ServerProcess], timeline: Path) ->
     assert all(_gone(pid) for pid in workers), "SIGTERM on rank 0 left a worker running"
     # Every step after the warm-up, written at exit: prefill (and mixed) steps, then decodes; one step
     # at least per token of the longest request.
-    steps = json.loads(timeline.read_text())["steps"]
+    data = json.loads(timeline.read_text())
+    steps = data["steps"]
     assert {s["phase"] for s in steps} == {"prefill", "decode"}
     assert len(steps) >= NEW_TOKENS
     assert all(s["device_end_ms"] >= s["device_start_ms"] for s in steps)
+    assert all(s["host_end_s"] >= s["host_s"] for s in steps)
+    # The worker's own file: a span per step it ran, every step of rank 0's (warm-up ones too), each got
+    # after rank 0 began it (one host clock) and issued after it got it.
+    worker = json.loads(timeline.with_name(timeline.name + ".rank1").read_text())["spans"]
+    by_step = {span["step"]: span for span in worker}
+    assert len(by_step) == len(worker)
+    spans = data["spans"]
+    assert spans and {span["step"] for span in spans} <= set(by_step)
+    for span in spans:
+        got = by_step[span["step"]]
+        assert got["phase"] == span["phase"] and got["tokens"] == span["tokens"]
+        assert span["host_s"] <= got["host_s"] <= got["host_end_s"]
 
 
 @pytest.mark.parametrize("servers", [("cpu", "llama")], indirect=True, ids=["llama"])

@@ -3,12 +3,13 @@ bandwidth floor of a decode step, and the targets of issue 30 (items 2 and 4) ch
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from typing import Any
 
 import torch
 
-__all__ = ["bandwidth_floor", "targets", "window"]
+__all__ = ["bandwidth_floor", "hosts", "targets", "window"]
 
 #: Spec memory bandwidth (bytes/s) by device name, for the floor the issue states (16 GB / 3.35 TB/s).
 SPEC_BANDWIDTH = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12, "H20": 4.0e12}
@@ -53,6 +54,78 @@ def window(steps: list[dict[str, Any]], began: float, ended: float) -> dict[str,
         "gaps_over_cutoff": len(gaps) - len(working),
         "idle_share": round(sum(working) / span, 4) if span > 0 else None,
     }
+
+
+def hosts(
+    spans: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    worker_spans: list[dict[str, Any]],
+    began: float,
+    ended: float,
+) -> dict[str, Any]:
+    """The hosts' side of the steps whose rank-0 span starts in [began, ended], in milliseconds:
+
+    - ``issue_ms``: rank 0's time inside a forward's issue (host clock), all forwards and decode ones
+      alone (``decode``): long ones are the host blocked or slow between two steps' device work; a decode
+      forward's issue split at its runner's ``run`` into ``before_run_ms`` (the message's copy to the
+      device, under ``--tp`` the channel's send, then the device step's work before the forward:
+      copy-on-write blocks, the block-table changes, the gather of the step's ids, under ``--tp`` their
+      broadcast), ``run_ms`` (input staging, the replay's launch) and ``after_run_ms`` (sampling, the
+      copies back to the host); each part's figures are over the decode forwards whose run was found
+      inside them, so their medians need not add up to the issue's;
+    - ``cadence_ms``: between the starts of consecutive forwards on rank 0 (the host's step; under the
+      overlapped scheduler it is the device's step once the host keeps up);
+    - ``kinds``: how many forwards of each kind;
+    - under ``--tp``, per worker (matched by step number): ``lag_ms``, from rank 0 starting a forward to
+      that worker holding its message (the channel in service: the copy, the ring, the worker's wait);
+      ``issue_ms``, the worker's own issue; ``behind_ms``, how long after the previous step's issue
+      the worker got this one (near the device's step: it kept up; near zero: it was late and the
+      message was waiting)."""
+    inside = [s for s in spans if began <= s["host_s"] <= ended and "host_end_s" in s]
+    if not inside:
+        return {}
+    kinds: dict[str, int] = {}
+    for span in inside:
+        kinds[span["phase"]] = kinds.get(span["phase"], 0) + 1
+    decode = [s for s in inside if s["phase"] == "decode"]
+    timed_runs = sorted((r for r in runs if "host_end_s" in r), key=lambda r: r["host_s"])
+    starts = [r["host_s"] for r in timed_runs]
+    split: dict[str, list[float]] = {"before_run_ms": [], "run_ms": [], "after_run_ms": []}
+    for span in decode:
+        at = bisect.bisect_left(starts, span["host_s"])
+        if at < len(timed_runs) and timed_runs[at]["host_end_s"] <= span["host_end_s"]:
+            run = timed_runs[at]
+            split["before_run_ms"].append(1e3 * (run["host_s"] - span["host_s"]))
+            split["run_ms"].append(1e3 * (run["host_end_s"] - run["host_s"]))
+            split["after_run_ms"].append(1e3 * (span["host_end_s"] - run["host_end_s"]))
+    out: dict[str, Any] = {
+        "kinds": kinds,
+        "issue_ms": _spread([1e3 * (s["host_end_s"] - s["host_s"]) for s in inside]),
+        "decode": {
+            "issue_ms": _spread([1e3 * (s["host_end_s"] - s["host_s"]) for s in decode]),
+            **{name: _spread(values) for name, values in split.items()},
+        },
+        "cadence_ms": _spread(
+            [1e3 * (b["host_s"] - a["host_s"]) for a, b in zip(inside, inside[1:], strict=False)]
+        ),
+    }
+    if worker_spans:
+        by_step = {s["step"]: s for s in worker_spans if "step" in s}
+        pairs = [(s, by_step[s["step"]]) for s in inside if s["step"] in by_step]
+        previous = {s["step"]: p for p, s in zip(worker_spans, worker_spans[1:], strict=False) if "step" in s}
+        out["worker"] = {
+            "steps_matched": len(pairs),
+            "lag_ms": _spread([1e3 * (w["host_s"] - r["host_s"]) for r, w in pairs]),
+            "issue_ms": _spread([1e3 * (w["host_end_s"] - w["host_s"]) for _, w in pairs]),
+            "behind_ms": _spread(
+                [
+                    1e3 * (w["host_s"] - previous[w["step"]]["host_end_s"])
+                    for _, w in pairs
+                    if w["step"] in previous
+                ]
+            ),
+        }
+    return out
 
 
 def bandwidth_floor(weight_bytes: int, device: int = 0) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from servers import ServerProcess
 
 from devgraph.serve.api.timeline import TIMELINE_ENV
 from devgraph.serve.bench.loadgen import TraceRequest, run_load
-from serve_tp.analysis import window
+from serve_tp.analysis import hosts, window
 from serve_tp.plan import Model
 
 __all__ = ["Served", "kill_a_worker", "prompts_for", "start"]
@@ -86,8 +86,22 @@ class Served:
         if not self.timeline.exists():
             self.record["timeline"] = "not written"
             return
-        steps = json.loads(self.timeline.read_text())["steps"]
+        try:
+            data = json.loads(self.timeline.read_text())
+        except (OSError, ValueError) as exc:
+            self.record["timeline"] = f"unreadable: {exc!r}"
+            return
+        steps, spans = data["steps"], data.get("spans", [])
+        worker_file = self.timeline.with_name(self.timeline.name + ".rank1")  # the first worker's, if any
+        try:
+            worker = json.loads(worker_file.read_text()).get("spans", []) if worker_file.exists() else []
+        except (OSError, ValueError) as exc:  # rank 0's figures stand without the worker's
+            self.record["worker_timeline"] = f"unreadable: {exc!r}"
+            worker = []
         self.record["timeline"] = {name: window(steps, *bounds) for name, bounds in self.windows.items()}
+        self.record["hosts"] = {
+            name: hosts(spans, steps, worker, *bounds) for name, bounds in self.windows.items()
+        }
 
 
 def start(

@@ -123,7 +123,7 @@ class StepObserver(Protocol):
     """Told of each forward's device work (the step timeline times it): ``begin`` before the step's first
     device work is issued, ``end`` after its last (the copies back to the host)."""
 
-    def begin(self, kind: str) -> Any: ...
+    def begin(self, kind: str, step: int = 0) -> Any: ...
 
     def end(self, mark: Any, tokens: int, requests: int) -> None: ...
 
@@ -505,7 +505,7 @@ class Engine:
         message, plan = self._plan(forward, batch, copies)
         observer = self.step_observer
         try:
-            mark = observer.begin(forward.kind) if observer is not None else None
+            mark = observer.begin(forward.kind, message.step) if observer is not None else None
             self._run_on_device(forward, batch, message, plan)
         finally:  # its buffer back to the message memory if the step failed before its copy was queued
             self.message_memory.release(message)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from devgraph.serve.api.timeline import StepTimeline
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.wire import STOP
 from devgraph.serve.tp.channel import RankLost, WorkerChannel
@@ -28,8 +29,9 @@ __all__ = ["serve_steps", "worker_main"]
 logger = logging.getLogger(__name__)
 
 
-def serve_steps(engine: Engine, channel: WorkerChannel) -> int:
-    """Run rank 0's steps until the stop (0) or until rank 0 is gone (1)."""
+def serve_steps(engine: Engine, channel: WorkerChannel, timeline: StepTimeline | None = None) -> int:
+    """Run rank 0's steps until the stop (0) or until rank 0 is gone (1). ``timeline``: a span per step,
+    from its message in hand to its device work issued (``DEVGRAPH_STEP_TIMELINE``)."""
     memory = engine.message_memory  # the engine's own: a worker's engine issues no steps of its own
     while True:
         try:
@@ -39,11 +41,21 @@ def serve_steps(engine: Engine, channel: WorkerChannel) -> int:
             return 1
         if message.kind == STOP:
             return 0
+        mark = timeline.begin(message.kind, message.step) if timeline is not None else None
         try:
-            engine.device_step.forward(message.kind, memory.inputs(message), message.context())
+            inputs = memory.inputs(message)
+            engine.device_step.forward(message.kind, inputs, message.context())
         except Exception:
             logger.exception("a %s step failed on this rank; this worker exits", message.kind)
             return 1
+        if timeline is not None:
+            ids = inputs.get("input_ids")
+            rows = inputs.get("table_rows")
+            timeline.end(
+                mark,
+                int(ids.shape[0]) if ids is not None else 0,
+                int(rows.shape[0]) if rows is not None else 0,
+            )
 
 
 def worker_main(args: argparse.Namespace, rank: int, size: int, port: int, ring: str) -> None:
@@ -66,9 +78,15 @@ def worker_main(args: argparse.Namespace, rank: int, size: int, port: int, ring:
         channel = WorkerChannel(Path(ring), rank, pin=on_gpu)  # before the group: rank 0 waits for it
         init_rank(args.device, rank, size, port)
         engine = build_engine(args, open_source(args), group=torch.distributed.group.WORLD)
+        timeline = StepTimeline.from_environment(engine, rank)  # DEVGRAPH_STEP_TIMELINE: the benchmarks
         try:
-            code = serve_steps(engine, channel)
+            code = serve_steps(engine, channel, timeline)
         finally:
+            if timeline is not None and code == 0:
+                try:
+                    timeline.save()
+                except Exception:  # a benchmark's file: never a reason to skip the teardown below
+                    logger.exception("the step timeline could not be written")
             if code == 0:
                 engine.close()
                 destroy_process_group()
