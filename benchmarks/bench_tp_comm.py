@@ -528,7 +528,8 @@ def main() -> int:
     parser.add_argument(
         "--profile-kernels",
         action="store_true",
-        help="the decode step's kernels at batch 1 by name (torch.profiler), and the same layers on one GPU",
+        help="the decode step's kernels at batch 1 and 64 by name (torch.profiler), and the same layers on "
+        "one GPU",
     )
     parser.add_argument("--no-micro", action="store_true", help="skip the all-reduce sizes; the layers only")
     parser.add_argument("--one-shot-max", type=int, default=None, help="bytes (default: the module's)")
