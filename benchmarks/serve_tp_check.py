@@ -217,7 +217,9 @@ def _split(decode: dict[str, Any]) -> str:
     """A decode forward's issue and its parts' medians (ms): before its run, the run, after it (medians:
     they need not add up)."""
     parts = [decode.get(k, {}).get("p50") for k in ("issue_ms", "before_run_ms", "run_ms", "after_run_ms")]
-    return "{}; before run / run / after {} / {} / {}".format(*parts)
+    return "{}; before run / run / after {} / {} / {}; CPU {}, waiting {}".format(
+        *parts, decode.get("cpu_ms", {}).get("p50"), decode.get("waiting_share")
+    )
 
 
 def _print_server(label: str, record: dict[str, Any]) -> None:

@@ -433,6 +433,8 @@ def test_the_step_timeline_spans_each_forward_around_its_runs(model: ReferenceMo
         assert span["host_s"] <= run["host_s"] and span["tokens"] == run["tokens"]
         # The host clock when each returned: a run inside its span's issue.
         assert run["host_s"] <= run["host_end_s"] <= span["host_end_s"]
+        # The engine thread's CPU time in the issue: at most the issue's wall time (to the clocks' grain).
+        assert 0.0 <= span["host_cpu_ms"] <= 1e3 * (span["host_end_s"] - span["host_s"]) + 0.05
     # Each span's step number is its message's: one per forward, in issue order.
     numbers = [span["step"] for span in spans]
     assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))

@@ -23,8 +23,10 @@ def _analysis() -> ModuleType:
 
 
 def _span(step: int, phase: str, host: float, issue_ms: float) -> dict[str, Any]:
+    # The thread ran for 40% of each issue and waited for the rest.
     return {"phase": phase, "step": step, "tokens": 1, "requests": 1, "host_s": host,
-            "host_end_s": host + issue_ms / 1e3, "device_start_ms": 0.0, "device_end_ms": 0.0}  # fmt: skip
+            "host_end_s": host + issue_ms / 1e3, "host_cpu_ms": 0.4 * issue_ms,
+            "device_start_ms": 0.0, "device_end_ms": 0.0}  # fmt: skip
 
 
 def _run(host: float, run_ms: float) -> dict[str, Any]:
@@ -58,6 +60,7 @@ def test_a_decode_issue_is_split_at_its_run_and_matched_to_the_worker_by_step() 
     assert abs(decode["before_run_ms"]["p50"] - 0.2) < 1e-6
     assert abs(decode["run_ms"]["p50"] - 0.5) < 1e-6
     assert abs(decode["after_run_ms"]["p50"] - 0.3) < 1e-6
+    assert abs(decode["cpu_ms"]["p50"] - 0.4) < 1e-6 and abs(decode["waiting_share"] - 0.6) < 1e-4
     got = found["worker"]
     assert got["steps_matched"] == 6
     assert abs(got["lag_ms"]["p50"] - 0.15) < 1e-6

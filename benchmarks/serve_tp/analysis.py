@@ -72,7 +72,9 @@ def hosts(
       copy-on-write blocks, the block-table changes, the gather of the step's ids, under ``--tp`` their
       broadcast), ``run_ms`` (input staging, the replay's launch) and ``after_run_ms`` (sampling, the
       copies back to the host); each part's figures are over the decode forwards whose run was found
-      inside them, so their medians need not add up to the issue's;
+      inside them, so their medians need not add up to the issue's; ``cpu_ms``, the engine thread's CPU
+      time in a decode issue, and ``waiting_share``, the share of the decode issues' time it did not run
+      (the interpreter lock held by another thread, a blocking call);
     - ``cadence_ms``: between the starts of consecutive forwards on rank 0 (the host's step; under the
       overlapped scheduler it is the device's step once the host keeps up);
     - ``kinds``: how many forwards of each kind;
@@ -98,12 +100,16 @@ def hosts(
             split["before_run_ms"].append(1e3 * (run["host_s"] - span["host_s"]))
             split["run_ms"].append(1e3 * (run["host_end_s"] - run["host_s"]))
             split["after_run_ms"].append(1e3 * (span["host_end_s"] - run["host_end_s"]))
+    timed = [s for s in decode if "host_cpu_ms" in s]
+    wall = sum(1e3 * (s["host_end_s"] - s["host_s"]) for s in timed)
     out: dict[str, Any] = {
         "kinds": kinds,
         "issue_ms": _spread([1e3 * (s["host_end_s"] - s["host_s"]) for s in inside]),
         "decode": {
             "issue_ms": _spread([1e3 * (s["host_end_s"] - s["host_s"]) for s in decode]),
             **{name: _spread(values) for name, values in split.items()},
+            "cpu_ms": _spread([s["host_cpu_ms"] for s in timed]),
+            "waiting_share": round(1 - sum(s["host_cpu_ms"] for s in timed) / wall, 4) if wall > 0 else None,
         },
         "cadence_ms": _spread(
             [1e3 * (b["host_s"] - a["host_s"]) for a, b in zip(inside, inside[1:], strict=False)]

@@ -14,12 +14,13 @@ tensor-parallel worker: every step), twice over:
 
 At exit the server writes PATH (JSON): per entry the phase, the tokens and requests, the host start
 (``time.monotonic``, the clock every process of the host shares, so a benchmark can pick the steps of one
-load phase) and the device start and end in milliseconds from the first event; a span also has its step
-number (the step message's, the same on every rank) and the host clock when its issue returned
-(``host_end_s``: a long issue is the host blocked, not busy). Under ``--tp`` each worker writes its own
-file, ``PATH.rank<N>``, when it stops cleanly: a span per step it ran, from the step's message in its hands
-to its device work issued (its ``requests``: the step's rows, padding included), so a benchmark sees how
-long after rank 0 a worker got each step and whether it kept up. On the
+load phase) and the device start and end in milliseconds from the first event, and the host clock when
+the call returned (``host_end_s``). A span also has its step number (the step message's, the same on
+every rank) and the CPU time its thread spent in it (``host_cpu_ms``): an issue much longer than its CPU
+time is the thread waiting (for the interpreter lock, or in a blocking call), not working. Under ``--tp``
+each worker writes its own file, ``PATH.rank<N>``, when it stops cleanly: a span per step it ran, from the
+step's message in its hands to its device work issued (its ``requests``: the step's rows, padding
+included), so a benchmark sees how long after rank 0 a worker got each step and whether it kept up. On the
 CPU the host clock stands in for the events. Two events per entry cost a few microseconds of host time;
 off unless the variable is set.
 """
@@ -52,7 +53,7 @@ class StepTimeline:
         self.limit = limit
         self.cuda = device.type == "cuda"
         self._steps: list[tuple[str, int, int, float, Any, Any, int | None, float]] = []
-        self._spans: list[tuple[str, int, int, float, Any, Any, int, float]] = []
+        self._spans: list[tuple[str, int, int, float, Any, Any, int, float, float]] = []
         self._origin: Any = None  # the first mark taken
 
     @classmethod
@@ -92,13 +93,14 @@ class StepTimeline:
     def begin(self, kind: str, step: int = 0) -> Any:
         if len(self._spans) >= self.limit:
             return None
-        return kind, step, time.monotonic(), self._mark()
+        return kind, step, time.monotonic(), time.thread_time(), self._mark()
 
     def end(self, mark: Any, tokens: int, requests: int) -> None:
         if mark is not None:
-            kind, step, host, start = mark
+            kind, step, host, cpu, start = mark
             end = self._mark()
-            self._spans.append((kind, tokens, requests, host, start, end, step, time.monotonic()))
+            done, cpu = time.monotonic(), time.thread_time() - cpu
+            self._spans.append((kind, tokens, requests, host, start, end, step, done, cpu))
 
     def _mark(self) -> Any:
         if self.cuda:
@@ -143,6 +145,8 @@ class StepTimeline:
                 if span[0] is not None:
                     entry["step"] = span[0]
                 entry["host_end_s"] = round(span[1], 6)
+            if len(span) > 2:  # a span: the CPU time its thread spent in it (the rest of it waited)
+                entry["host_cpu_ms"] = round(1e3 * span[2], 4)
             out.append(entry)
         return out
 
