@@ -89,6 +89,7 @@ run_step() {  # run_step NAME: one step, its limit, its command
     serve_small_fused) limit=200 cmd="PYTHONFAULTHANDLER=1 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-small-fused.json --models small --time-budget 180 --no-fp32 --tp-comm symm" ;;
     serve_small_unfused) limit=200 cmd="PYTHONFAULTHANDLER=1 DEVGRAPH_TP_FUSE=0 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-small-unfused.json --models small --time-budget 180 --no-fp32 --tp-comm symm" ;;
     serve_8b_only) limit=300 cmd="PYTHONFAULTHANDLER=1 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-8b.json --models 8b --time-budget 280 --no-fp32 --tp-comm symm" ;;
+    serve_8b_switch100) limit=300 cmd="PYTHONFAULTHANDLER=1 $PY benchmarks/serve_tp_check.py --out $R/serve-tp-8b-switch100.json --models 8b --time-budget 280 --no-fp32 --tp-comm symm --serve-flags '--switch-interval-us 100'" ;;
     serve_tp_tests) limit=180 cmd="pytest_json serve-tp-tests 150 -m multi_gpu tests/test_serve_tp.py" ;;
     linear) limit=200 cmd="$PY benchmarks/bench_linear.py --out $R/linear.json --time-budget 170" ;;
     linear_models) limit=150 cmd="$PY benchmarks/bench_linear.py --out $R/linear-models.json --rows 1 --time-budget 130" ;;

@@ -710,3 +710,28 @@ def test_the_in_flight_limit_counts_every_prompt_of_a_request() -> None:
         assert status == 200 and len(body["choices"]) == 2, body
     finally:
         assert srv.stop() == 0
+
+
+def test_switch_interval_flag_sets_pythons_and_is_left_alone_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import argparse
+    import sys
+
+    from devgraph.serve.api import server as server_module
+    from devgraph.serve.cli import add_serve_parser
+
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    seen: list[float] = []
+    monkeypatch.setattr(server_module, "_serve", lambda *a: seen.append(sys.getswitchinterval()) or 0)
+    before = sys.getswitchinterval()
+    try:
+        assert server_module.serve(parser.parse_args(["--device", "cpu", "--switch-interval-us", "250"])) == 0
+        assert seen[-1] == pytest.approx(250e-6)
+        sys.setswitchinterval(before)
+        assert server_module.serve(parser.parse_args(["--device", "cpu"])) == 0
+        assert seen[-1] == before  # no flag: Python's own interval stays
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--switch-interval-us", "0"])

@@ -54,6 +54,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
+    if getattr(args, "switch_interval_us", None):  # --switch-interval-us: off unless given
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     began = time.perf_counter()
     startup = Startup()
     world = _start_world(args)
