@@ -414,7 +414,7 @@ def test_generate_and_close_leave_nothing_in_flight(model: ReferenceModel) -> No
 def test_the_step_timeline_spans_each_forward_around_its_runs(model: ReferenceModel, tmp_path: Path) -> None:
     # The serving benchmark reads the device's idle time from the gaps between spans: each span must hold
     # the whole of its forward's device work, its runner's run included.
-    from devgraph.serve.api.timeline import StepTimeline
+    from devgraph.serve.engine.timeline import StepTimeline
 
     engine = _engine(model, "overlap")
     timeline = StepTimeline(torch.device("cpu"), tmp_path / "timeline.json")

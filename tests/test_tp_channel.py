@@ -275,7 +275,7 @@ def test_the_stop_message() -> None:
 # -- the step timeline ------------------------------------------------------------------------------------
 def test_the_timeline_records_each_step_of_a_runner(tiny_model, tmp_path: Path) -> None:
     from devgraph.reference.runners import decode_runner
-    from devgraph.serve.api.timeline import StepTimeline
+    from devgraph.serve.engine.timeline import StepTimeline
 
     runner = decode_runner(tiny_model, mode="full", sizes=[2, 4])
     runner.capture()

@@ -15,8 +15,8 @@ from typing import Any
 
 from servers import ServerProcess
 
-from devgraph.serve.api.timeline import TIMELINE_ENV
 from devgraph.serve.bench.loadgen import TraceRequest, run_load
+from devgraph.serve.engine.timeline import TIMELINE_ENV
 from serve_tp.analysis import hosts, window
 from serve_tp.plan import Model
 

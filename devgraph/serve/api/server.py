@@ -31,9 +31,9 @@ from devgraph.extras import install_hint
 from devgraph.serve.api.metrics import ServeMetrics, prometheus_available
 from devgraph.serve.api.recording import TrafficRecorder
 from devgraph.serve.api.stats_log import ThroughputLog
-from devgraph.serve.api.timeline import StepTimeline
 from devgraph.serve.checkpoint.source import ModelSource
 from devgraph.serve.engine.engine_thread import EngineLoop
+from devgraph.serve.engine.timeline import StepTimeline
 from devgraph.serve.startup import Startup, build_engine, open_source
 
 __all__ = ["listen_url", "serve"]

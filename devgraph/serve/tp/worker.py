@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from devgraph.serve.api.timeline import StepTimeline
 from devgraph.serve.engine.engine import Engine
+from devgraph.serve.engine.timeline import StepTimeline
 from devgraph.serve.engine.wire import STOP
 from devgraph.serve.tp.channel import RankLost, WorkerChannel
 
