@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness.device import Device
 from harness.profile import kernel_times
 
 SIZES = (1, 8, 32, 64, 256)
@@ -234,6 +235,13 @@ def _kernel_table(step: Callable[[], Any], steps: int, top: int = 14) -> dict[st
     return table
 
 
+def _ms_per_step(device: torch.device, step: Callable[[], Any], steps: int) -> float:
+    """Device milliseconds per call of ``step`` over ``steps`` calls back to back (CUDA events around them
+    all: :meth:`harness.device.Device.time_step` of the loop)."""
+    latency_ms, _ = Device(device).time_step(lambda: [step() for _ in range(steps)])
+    return latency_ms / steps
+
+
 def _one_gpu(config: Any, device: torch.device, steps: int, batches: tuple[int, ...]) -> dict[str, Any]:
     """The same layers on this GPU alone (the plain reference model): its decode step at each batch, timed
     and by kernel, beside the tensor-parallel one."""
@@ -250,13 +258,9 @@ def _one_gpu(config: Any, device: torch.device, steps: int, batches: tuple[int, 
             with torch.no_grad():
                 for _ in range(3):
                     runner.run(**batch)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(steps):
-                    runner.run(**batch)
-                end.record()
-                end.synchronize()
-            row[f"batch{n}_ms_per_step"] = start.elapsed_time(end) / steps
+                row[f"batch{n}_ms_per_step"] = _ms_per_step(
+                    device, functools.partial(runner.run, **batch), steps
+                )
             row[f"batch{n}_kernels_us_per_step"] = _kernel_table(
                 functools.partial(runner.run, **batch), steps
             )
@@ -331,13 +335,9 @@ def decode_model(r: Rank, device: torch.device) -> None:
                         runner.run(**batch)
                     torch.cuda.synchronize()
                     dist.barrier()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(args.steps):
-                        runner.run(**batch)
-                    end.record()
-                    end.synchronize()
-                row[f"batch{n}_ms_per_step"] = start.elapsed_time(end) / args.steps
+                    row[f"batch{n}_ms_per_step"] = _ms_per_step(
+                        device, functools.partial(runner.run, **batch), args.steps
+                    )
             if args.profile_kernels:
                 for n in batches:
                     batch = make_decode_batch(model, n, seq_lens=256, seed=n)
