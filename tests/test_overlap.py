@@ -509,3 +509,24 @@ def test_cuda_issuing_a_step_never_blocks_the_host() -> None:
         engine._in_flight = step
     assert issued > 20
     engine.close()
+
+
+def test_a_step_timeline_that_cannot_be_written_logs_and_does_not_raise(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The server and the tensor-parallel worker save on their way out: a bad path must not cut short the
+    # teardown after it. A file where the folder should be makes the write fail on any host.
+    from devgraph.serve.engine.timeline import StepTimeline
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    timeline = StepTimeline(torch.device("cpu"), blocker / "timeline.json")
+    mark = timeline.begin("decode", 7)
+    timeline.end(mark, 1, 1)
+    with caplog.at_level("ERROR"):
+        timeline.save()
+    assert "could not be written" in caplog.text and str(blocker / "timeline.json") in caplog.text
+    assert not (blocker / "timeline.json").exists()
+    timeline.path = tmp_path / "ok" / "timeline.json"  # the same timeline, a good path: written whole
+    timeline.save()
+    assert json.loads(timeline.path.read_text())["spans"][0]["step"] == 7

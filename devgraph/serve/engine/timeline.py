@@ -151,17 +151,23 @@ class StepTimeline:
         return out
 
     def save(self) -> None:
-        """Write the steps to the file (after the last step: it waits for the device)."""
-        data = {
-            "device": str(self.device),
-            "clock": "time.monotonic",
-            "steps": self.steps(),
-            "spans": self.spans(),
-        }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Whole or not at all: a process ended while it writes leaves no half a file for a reader to trip on.
-        partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(data) + "\n")
-        os.replace(partial, self.path)
+        """Write the steps to the file (after the last step: it waits for the device). A failure is logged,
+        never raised: the callers save on their way out, and a benchmark's file must not cut short a
+        server's teardown (its engine's close, its process group's)."""
+        try:
+            data = {
+                "device": str(self.device),
+                "clock": "time.monotonic",
+                "steps": self.steps(),
+                "spans": self.spans(),
+            }
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Whole or not at all: a process ended while it writes leaves no half a file to trip a reader.
+            partial = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
+            partial.write_text(json.dumps(data) + "\n")
+            os.replace(partial, self.path)
+        except Exception:
+            logger.exception("the step timeline could not be written to %s (%s)", self.path, TIMELINE_ENV)
+            return
         runs, spans = len(data["steps"]), len(data["spans"])
         logger.info("%d timed runs and %d spans written to %s", runs, spans, self.path)
