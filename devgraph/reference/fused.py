@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from devgraph.reference.kernel_builds import DecodeShapes, build_decode_kernels
 from devgraph.reference.rope import apply_rope
 
 __all__ = [
@@ -69,16 +70,23 @@ def fused_kernels(kernels: str, device: torch.device) -> bool:
 
 
 def set_up_triton(
-    kernels: str, device: torch.device, width: int, dtype: torch.dtype, *, bias: bool = False
+    kernels: str,
+    device: torch.device,
+    width: int,
+    dtype: torch.dtype,
+    *,
+    bias: bool = False,
+    decode: DecodeShapes | None = None,
 ) -> threading.Thread | None:
     """Start Triton's one-time set-up on a daemon thread, once per process, where a model built with
     ``config.kernels`` for ``device`` runs the Triton kernels on a GPU (``None`` otherwise, and when it ran
     already). A model calls it first thing, so the set-up (and the build of kernels the model uses: its
     SiLU-and-multiply over ``width`` columns of ``dtype``, then the projections' one-row kernels, with a
-    bias too where ``bias``) runs while the weights are drawn or loaded instead of inside the first
-    capture. It launches nothing and allocates no device memory
+    bias too where ``bias``; with ``decode``, every kernel of its decode step,
+    :func:`~devgraph.reference.kernel_builds.build_decode_kernels`) runs while the weights are drawn or
+    loaded instead of inside the first capture. It launches nothing and allocates no device memory
     (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged and leaves the
-    first launch to do the set-up as before."""
+    first launch to do the set-up as before. :data:`TRITON_SET_UP` says what it did."""
     if TRITON_SET_UP or device.type != "cuda" or not fused_kernels(kernels, device):
         return None
     TRITON_SET_UP["started"] = True
@@ -88,6 +96,10 @@ def set_up_triton(
         try:
             _ops().build_silu_mul(width, dtype)
             _linear_ops().build_linear(dtype, has_bias=bias)
+            TRITON_SET_UP["set_up_seconds"] = round(time.perf_counter() - start, 3)
+            if decode is not None:
+                build_decode_kernels(decode, device)
+                TRITON_SET_UP["decode_kernels"] = True
         except Exception as exc:  # an optimisation: the first launch does the same work
             TRITON_SET_UP["error"] = repr(exc)
             logger.debug("Triton's set-up in the background failed: %r", exc)

@@ -23,6 +23,7 @@ from devgraph.reference.fused import (
     set_up_triton,
     silu_mul,
 )
+from devgraph.reference.kernel_builds import DecodeShapes
 from devgraph.reference.rope import rope_tables
 
 __all__ = [
@@ -269,7 +270,14 @@ class ReferenceModel(nn.Module):
         device = torch.device(device if device is not None else "cpu")
         self.config = config
         # While the weights load:
-        set_up_triton(config.kernels, device, config.intermediate_size, config.dtype, bias=config.qkv_bias)
+        set_up_triton(
+            config.kernels,
+            device,
+            config.intermediate_size,
+            config.dtype,
+            bias=config.qkv_bias,
+            decode=DecodeShapes.of(config),
+        )
         generator = torch.Generator().manual_seed(seed) if weights == "random" else None
         # Draw order is fixed (embedding, then layer by layer) so a seed pins every weight.
         shape, dtype = (config.vocab_size, config.hidden_size), config.dtype

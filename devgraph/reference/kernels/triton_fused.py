@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from devgraph.reference.kernels.launching import launch
+
 __all__ = ["qk_norm_rope", "rms_norm", "silu_mul"]
 
 
@@ -63,7 +65,9 @@ def rms_norm(
     out = torch.empty((rows, cols), device=x.device, dtype=x.dtype)
     total = torch.empty_like(out) if residual is not None else None
     if rows:
-        _rms_norm_kernel[(rows,)](
+        launch(
+            _rms_norm_kernel,
+            (rows,),
             x,
             residual if residual is not None else x,
             weight,
@@ -133,7 +137,9 @@ def qk_norm_rope(
     out = torch.empty((tokens, heads, dim), device=qk.device, dtype=qk.dtype)
     if tokens:
         half = dim // 2
-        _qk_norm_rope_kernel[(tokens * heads,)](
+        launch(
+            _qk_norm_rope_kernel,
+            (tokens * heads,),
             qk,
             weight if weight is not None else qk,
             cos,
@@ -173,8 +179,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((tokens, width), device=gate_up.device, dtype=gate_up.dtype)
     if tokens:
         block = min(1024, triton.next_power_of_2(width))
-        _silu_mul_kernel[(tokens, triton.cdiv(width, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), width, BLOCK=block
+        launch(
+            _silu_mul_kernel,
+            (tokens, triton.cdiv(width, block)),
+            gate_up,
+            out,
+            gate_up.stride(0),
+            out.stride(0),
+            width,
+            BLOCK=block,
         )
     return out
 

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from devgraph.reference.kernels.launching import launch, on_device
+
 __all__ = [
     "CONFIGS",
     "HALF",
@@ -233,9 +235,8 @@ def linear(
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     kernel, options = _launch(c, rows, x.dtype, bias is not None)
     b = bias if bias is not None else weight
-    kernel[(triton.cdiv(n, c.block_n),)](
-        x, weight, b, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0), **options
-    )
+    strides = (x.stride(0), weight.stride(0), out.stride(0))
+    launch(kernel, (triton.cdiv(n, c.block_n),), x, weight, b, out, rows, n, k, *strides, **options)
     return out
 
 
@@ -274,7 +275,7 @@ def _suits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return False
     if weight.dtype != x.dtype or weight.device != x.device:
         return False
-    if x.device.type != "cuda" and not _interpreting():
+    if not on_device(x) and not _interpreting():
         return False
     return bias is None or (
         bias.shape == (weight.shape[0],)

@@ -25,6 +25,7 @@ from devgraph.reference.kernels.interface import (
     check_varlen,
     check_write,
 )
+from devgraph.reference.kernels.launching import launch, on_device
 from devgraph.reference.kernels.triton_kernels import (
     decode_reduce_kernel,
     decode_split_kernel,
@@ -86,7 +87,7 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def _require_device(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _interpreting():
+    if not on_device(t) and not _interpreting():
         raise InputError(
             f"the triton attention kernels run on GPU tensors, got tensors on {t.device}; use "
             "attention_backend('torch') or attention_backend('auto') for CPU tensors"
@@ -120,7 +121,9 @@ def write_kv(
     if tokens == 0:
         return
     k, v = _rows_contiguous(k), _rows_contiguous(v)
-    write_kv_kernel[(tokens,)](
+    launch(
+        write_kv_kernel,
+        (tokens,),
         k,
         v,
         k_cache,
@@ -193,7 +196,9 @@ def paged_decode_attention(
         part_lse = torch.empty((requests, heads, splits), device=q.device, dtype=torch.float32)
     group = heads // kv_heads
     block_d = _pow2(head_dim)
-    decode_split_kernel[(requests, kv_heads, splits)](
+    launch(
+        decode_split_kernel,
+        (requests, kv_heads, splits),
         q,
         k_cache,
         v_cache,
@@ -223,7 +228,9 @@ def paged_decode_attention(
         num_stages=config.num_stages,
     )
     if not direct:
-        decode_reduce_kernel[(requests, heads)](
+        launch(
+            decode_reduce_kernel,
+            (requests, heads),
             part_out,
             part_lse,
             out,

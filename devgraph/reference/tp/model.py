@@ -23,6 +23,7 @@ from torch import nn
 from devgraph import ConfigError
 from devgraph.reference.config import ReferenceConfig
 from devgraph.reference.fused import fused_kernels, linear, set_up_triton
+from devgraph.reference.kernel_builds import DecodeShapes
 from devgraph.reference.model import (
     WEIGHT_INITS,
     DecoderLayer,
@@ -179,7 +180,12 @@ class TPReferenceModel(ReferenceModel):
         if weights not in WEIGHT_INITS:
             raise ConfigError(f"weights={weights!r} is unknown; accepted: {', '.join(WEIGHT_INITS)}")
         set_up_triton(
-            config.kernels, device, config.intermediate_size // size, config.dtype, bias=config.qkv_bias
+            config.kernels,
+            device,
+            config.intermediate_size // size,
+            config.dtype,
+            bias=config.qkv_bias,
+            decode=DecodeShapes.of(config, shards=size),
         )
         # "empty": shapes only, every weight filled later (a checkpoint loader slices each rank's part).
         draw = _drawer(seed, device, exact_weights) if weights == "random" else _empty(device)
