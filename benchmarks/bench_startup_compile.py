@@ -15,8 +15,9 @@ mode="reduce-overhead")`` warmed up on the same sizes (3 calls each: warm-up, re
 whole forward (``regions=True``). ``cold_traced`` / ``warm_traced`` repeat cold and warm with the
 ahead-of-time path switched off (the traced path with torch's cache artifacts, devgraph's warm start before
 it), when the budget allows. The devgraph processes keep Triton's kernels under ``cache_dir`` (devgraph's
-default when ``TRITON_CACHE_DIR`` is unset), so only ``cache_dir`` carries anything between them. Each
-devgraph process saves the logits of fixed batches (512-token contexts); the parent compares them bit for bit.
+default when ``TRITON_CACHE_DIR`` is unset; each runs with a fresh ``TRITON_HOME``), so only ``cache_dir``
+carries anything between them. Each devgraph process saves the logits of fixed batches (512-token
+contexts); the parent compares them bit for bit.
 Targets (issue 31): cold warm-up <= 0.3x reduce-overhead's, warm start <= 3 s to the first graph replay, warm
 bit-identical to cold.
 """
@@ -299,8 +300,12 @@ def parent(args: argparse.Namespace) -> int:
             env = child_env(root, label)
             if label != "reduce_overhead":
                 # devgraph keeps Triton's kernels under cache_dir (inductor's own cache stays empty per
-                # process: only devgraph's cache_dir carries anything from one process to the next).
+                # process: only devgraph's cache_dir carries anything from one process to the next), as
+                # for a user who gives cache_dir only. The model's set-up thread builds before the runner
+                # points Triton there, into Triton's default cache: a fresh home per process keeps that
+                # empty, so no process (nor a later run on the machine) finds another's kernels in it.
                 env.pop("TRITON_CACHE_DIR", None)
+                env["TRITON_HOME"] = str(root / f"{label}-triton-home")
             try:
                 # The CPU smoke run compiles C++ kernels again at load: its caps are wider.
                 data[label] = run_child(command, out, env, budget, cap=cap * (3 if args.smoke else 1))

@@ -401,6 +401,51 @@ def test_triton_kernels_are_kept_under_cache_dir_unless_the_user_chose(tmp_path:
     assert artifacts.keep_triton_kernels(str(tmp_path)) == "/elsewhere"
 
 
+def _entry(root: Path, name: str, mtime: float) -> Path:
+    entry = root / name
+    entry.mkdir(parents=True)
+    (entry / "__triton_launcher.so").write_bytes(name.encode())
+    os.utime(entry, (mtime, mtime))
+    return entry
+
+
+def test_this_process_s_triton_entries_move_with_the_cache(tmp_path: Path) -> None:
+    old, new = tmp_path / "home-cache", tmp_path / "kept"
+    _entry(old, "a" * 8, 1000.0)  # another process's, long ago
+    _entry(old, "b" * 8, 5000.0)
+    _entry(old, "c" * 8, 6000.0)
+    (new / ("c" * 8)).mkdir(parents=True)  # already there: kept as it is
+    (old / "stray-file").write_text("not an entry")
+    assert artifacts.carry_triton_entries(old, new, since=4000.0) == 1
+    assert sorted(p.name for p in new.iterdir()) == ["b" * 8, "c" * 8]
+    assert (new / ("b" * 8) / "__triton_launcher.so").read_bytes() == b"b" * 8
+    assert not any((new / ("c" * 8)).iterdir())
+    assert artifacts.carry_triton_entries(old, tmp_path / "more", since=0.0, most=1) == 1
+
+
+def test_a_missing_source_carries_nothing_and_raises_nothing(tmp_path: Path) -> None:
+    assert artifacts.carry_triton_entries(tmp_path / "absent", tmp_path / "kept", since=0.0) == 0
+
+
+def test_the_move_to_cache_dir_carries_what_this_process_built(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    old = tmp_path / "home-cache"
+    _entry(old, "d" * 8, 9000.0)
+    _entry(old, "e" * 8, 10.0)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(artifacts, "_triton_cache_in_use", lambda: str(old))
+    monkeypatch.setattr(artifacts, "_process_started", lambda: 100.0)
+    kept = Path(artifacts.keep_triton_kernels(str(tmp_path / "cache")))
+    assert sorted(p.name for p in kept.iterdir()) == ["d" * 8]
+
+
+def test_this_process_started_before_now() -> None:
+    import time
+
+    started = artifacts._process_started()
+    assert started <= time.time()
+    assert started == float("inf") or started > time.time() - 24 * 3600 * 365
+
+
 @pytest.mark.parametrize(("compiler", "status"), [("eager", "hit"), ("inductor", "stale")])
 def test_a_file_of_choices_only_is_a_hit_only_for_a_compiler_that_leaves_no_artifacts(
     tmp_path: Path, monkeypatch, compiler: str, status: str

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -47,7 +48,7 @@ import torch
 from devgraph._version import __version__
 from devgraph.errors import ConfigError
 
-__all__ = ["ArtifactCache", "fingerprint", "keep_triton_kernels"]
+__all__ = ["ArtifactCache", "carry_triton_entries", "fingerprint", "keep_triton_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -236,13 +237,73 @@ def keep_triton_kernels(cache_dir: str) -> str:
     torch's cache artifacts carry inductor's own kernels, but not the Triton kernels a model launches itself
     (the reference model's paged attention), which every fresh machine or container would compile again at
     its first warm-up. With ``cache_dir`` on a volume that outlives the process, they are kept there too.
+
+    A runner is built after its model, and a model may have built kernels already (the reference model's
+    set-up thread builds its decode kernels, and Triton's launchers for them, while its weights load) into
+    the cache Triton used until now. Those entries, the ones this process wrote, are copied along
+    (:func:`carry_triton_entries`): Triton looks a launcher up in the cache it uses at the first launch, and
+    would otherwise build each one again there, a fifth of a second apiece on Triton 3.6.
     """
     chosen = os.environ.get("TRITON_CACHE_DIR")
     if chosen:
         return chosen
     path = str(Path(cache_dir).expanduser().resolve() / "triton")
+    before = _triton_cache_in_use()
     os.environ["TRITON_CACHE_DIR"] = path
+    if before is not None and Path(before).resolve() != Path(path):
+        carried = carry_triton_entries(Path(before), Path(path), since=_process_started())
+        if carried:
+            logger.info(
+                "%d Triton cache entries this process built copied from %s to %s", carried, before, path
+            )
     return path
+
+
+def _triton_cache_in_use() -> str | None:
+    """The directory Triton writes its cache to now (``None`` without triton)."""
+    try:
+        from triton import knobs
+    except ImportError:  # no triton, or one older than its knobs: nothing to carry
+        return None
+    return str(knobs.cache.dir)
+
+
+def _process_started() -> float:
+    """When this process started, in wall-clock seconds (Linux's ``/proc``); infinity where unknown, so
+    nothing is taken for this process's own."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as stat:
+            boot = next(float(line.split()[1]) for line in stat if line.startswith("btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK") - 1.0  # btime is whole seconds
+    except (OSError, ValueError, IndexError, StopIteration):
+        return float("inf")
+
+
+def carry_triton_entries(source: Path, target: Path, *, since: float, most: int = 512) -> int:
+    """Copy the entries of Triton's cache ``source`` written since ``since`` (this process's: a kernel and
+    its metadata, or a launcher, one directory each, named by their hash) into ``target``, keeping any
+    already there; at most ``most``. Returns how many were copied. A failure leaves the rest to be built
+    again at the first launch, as before (logged at DEBUG)."""
+    copied = 0
+    try:
+        entries = [e for e in os.scandir(source) if e.is_dir(follow_symlinks=False)]
+        fresh = sorted((e for e in entries if e.stat().st_mtime >= since), key=lambda e: e.name)[:most]
+        target.mkdir(parents=True, exist_ok=True)
+        for entry in fresh:
+            destination = target / entry.name
+            if destination.exists():
+                continue
+            staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=target))
+            shutil.copytree(entry.path, staging, dirs_exist_ok=True)
+            try:
+                staging.rename(destination)  # whole or not at all: Triton never sees half an entry
+                copied += 1
+            except OSError:  # another process put it there first
+                shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        logger.debug("carrying Triton's cache entries from %s to %s stopped: %r", source, target, exc)
+    return copied
 
 
 def _split(blob: bytes) -> tuple[dict[str, Any], bytes] | None:
