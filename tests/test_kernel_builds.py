@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-import time
 from typing import Any
 
 import pytest
 import torch
 
-from devgraph.reference import ReferenceConfig, ReferenceModel, make_decode_batch
+from devgraph.reference import ReferenceConfig
 from devgraph.reference.kernel_builds import DecodeShapes
 from devgraph.reference.kernels.launching import build_only, building, launch, on_device
 
@@ -116,11 +115,38 @@ def test_the_set_up_thread_builds_the_decode_kernels_and_records_a_failure(
     assert "decode_kernels" not in fused.TRITON_SET_UP and "set_up_seconds" in fused.TRITON_SET_UP
 
 
+def test_the_set_up_thread_builds_for_its_model_s_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The current device is per thread, and Triton keeps a kernel per device: a tensor-parallel rank's
+    # model on cuda:1 must have its kernels built for cuda:1, not for the thread's default cuda:0.
+    from devgraph.reference import fused
+
+    chosen: list[tuple[torch.device, str]] = []
+
+    class _Builds:
+        def build_silu_mul(self, width: int, dtype: torch.dtype) -> None:
+            pass
+
+        def build_linear(self, dtype: torch.dtype, has_bias: bool = False) -> None:
+            pass
+
+    monkeypatch.setattr(fused, "TRITON_SET_UP", {})
+    monkeypatch.setattr(fused, "_ops", _Builds)
+    monkeypatch.setattr(fused, "_linear_ops", _Builds)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: chosen.append((d, threading.current_thread().name))
+    )
+    thread = fused.set_up_triton("triton", torch.device("cuda", 1), 64, torch.float16)
+    assert thread is not None
+    thread.join(10)
+    assert chosen == [(torch.device("cuda", 1), "devgraph-triton-set-up")], chosen
+    assert "error" not in fused.TRITON_SET_UP
+
+
 _SCRIPT = """
 import torch
 from devgraph.reference import ReferenceConfig, ReferenceModel, make_decode_batch
 from devgraph.reference.kernel_builds import DecodeShapes, build_decode_kernels
-from devgraph.reference.kernels import launching, triton_fused, triton_linear, triton_ops
+from devgraph.reference.kernels import launching, triton_argmax, triton_fused, triton_linear, triton_ops
 
 def key(kernel, grid, args, options):
     names = kernel.arg_names
@@ -148,13 +174,13 @@ def record(kernel, grid, *args, **options):
     if not launching.building():
         original(kernel, grid, *args, **options)
 
-for module in (triton_fused, triton_linear, triton_ops):
+for module in (triton_argmax, triton_fused, triton_linear, triton_ops):
     module.launch = record
 config = ReferenceConfig.preset("tiny", max_requests=4, dtype=torch.float16, qk_norm=True, qkv_bias=True,
                                 tie_embeddings=False, kernels="triton")
 model = ReferenceModel(config, seed=0)
 for batch in (1, 3):
-    model.decode_step(**make_decode_batch(model, batch, seed=batch))
+    model.decode_step_with_greedy(**make_decode_batch(model, batch, seed=batch))
 launched, seen[:] = set(seen), []
 assert devices == {"cpu"}, devices
 devices.clear()
@@ -162,7 +188,8 @@ build_decode_kernels(DecodeShapes.of(config), torch.device("cpu"), rows=[1, 3])
 built = set(seen)
 assert devices == {"meta"}, devices  # the build holds no memory
 names = sorted({k[0] for k in launched})
-expected = {"decode_split_kernel", "write_kv_kernel", "_rms_norm_kernel", "_qk_norm_rope_kernel"}
+expected = {"decode_split_kernel", "write_kv_kernel", "_rms_norm_kernel", "_qk_norm_rope_kernel",
+            "_chunk_best_kernel", "_row_best_kernel"}
 assert expected <= set(names), names
 missing = launched - built
 assert not missing, "launched but not built: " + repr(sorted(missing))
@@ -176,33 +203,62 @@ def test_the_build_passes_what_decode_steps_launch_with(run_under_triton_interpr
     assert "kernels" in output
 
 
+_GPU_SCRIPT = """
+import threading, time
+import torch
+from triton.runtime.jit import JITFunction
+from devgraph.reference import ReferenceConfig, ReferenceModel, make_decode_batch
+from devgraph.reference import fused
+
+compiled = []
+original = JITFunction._do_compile
+
+def counted(self, *args, **kwargs):
+    compiled.append((self.fn.__name__, threading.current_thread().name))
+    return original(self, *args, **kwargs)
+
+JITFunction._do_compile = counted
+config = ReferenceConfig.preset(
+    "tiny", max_requests=24, dtype=torch.bfloat16, qk_norm=True, qkv_bias=True, kernels="triton"
+)
+model = ReferenceModel(config, device="cuda", seed=0)
+deadline = time.monotonic() + 300
+while "seconds" not in fused.TRITON_SET_UP and time.monotonic() < deadline:
+    time.sleep(0.05)
+state = fused.TRITON_SET_UP
+assert "error" not in state and state.get("decode_kernels"), state
+built = len(compiled)
+assert built >= 8, compiled  # an empty cache: the set-up compiled the step's kernels itself
+for batch in (1, 2, 5, 16, 24):
+    batch_inputs = {k: v.cuda() for k, v in make_decode_batch(model, batch, seed=batch).items()}
+    model.decode_step_with_greedy(**batch_inputs)
+torch.cuda.synchronize()
+assert compiled[built:] == [], compiled[built:]
+print("built", built)
+"""
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_on_a_gpu_decode_steps_after_the_set_up_compile_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from triton.runtime.jit import JITFunction
+def test_on_a_gpu_decode_steps_after_the_set_up_compile_no_kernel(tmp_path: Any) -> None:
+    # A fresh process with an empty Triton cache: the set-up thread compiles, the steps after it compile
+    # nothing (in this process, earlier tests could have built the kernels already and prove nothing).
+    import os
+    import subprocess
+    import sys
 
-    from devgraph.reference import fused
-
-    compiled: list[tuple[str, str]] = []
-    original = JITFunction._do_compile
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        compiled.append((self.fn.__name__, threading.current_thread().name))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(JITFunction, "_do_compile", counted)
-    monkeypatch.setattr(fused, "TRITON_SET_UP", {})
-    config = ReferenceConfig.preset(
-        "tiny", max_requests=24, dtype=torch.bfloat16, qk_norm=True, qkv_bias=True, kernels="triton"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    done = subprocess.run(
+        [sys.executable, "-c", _GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
-    model = ReferenceModel(config, device="cuda", seed=0)
-    deadline = time.monotonic() + 300
-    while "seconds" not in fused.TRITON_SET_UP and time.monotonic() < deadline:
-        time.sleep(0.05)
-    state = fused.TRITON_SET_UP
-    assert "error" not in state and state.get("decode_kernels"), state
-    before = len(compiled)
-    for batch in (1, 2, 5, 16, 24):
-        model.decode_step(**{k: v.cuda() for k, v in make_decode_batch(model, batch, seed=batch).items()})
-    torch.cuda.synchronize()
-    assert compiled[before:] == [], compiled[before:]
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "built" in done.stdout
+
+
+def test_the_projections_are_built_for_every_row_count_powers_of_two_first() -> None:
+    from devgraph.reference.kernel_builds import _rows_in_build_order
+
+    order = _rows_in_build_order(16)
+    assert sorted(order) == list(range(1, 17))
+    assert order[:5] == [1, 2, 4, 8, 16]
+    assert _rows_in_build_order(1) == [1]

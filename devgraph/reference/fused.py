@@ -94,6 +94,8 @@ def set_up_triton(
     def work() -> None:
         start = time.perf_counter()
         try:
+            if device.index is not None:  # per thread: Triton keeps a kernel per device it was built on
+                torch.cuda.set_device(device)
             _ops().build_silu_mul(width, dtype)
             _linear_ops().build_linear(dtype, has_bias=bias)
             TRITON_SET_UP["set_up_seconds"] = round(time.perf_counter() - start, 3)

@@ -41,7 +41,8 @@ class DecodeShapes:
     kv_heads: int
     head_dim: int
     intermediate: int
-    vocab: int
+    vocab: int  # this process's rows of the LM head
+    logits_vocab: int  # a step's logits, whole (the greedy tokens are taken from them)
     dtype: torch.dtype
     qk_norm: bool
     qkv_bias: bool
@@ -60,6 +61,7 @@ class DecodeShapes:
             head_dim=config.head_dim,
             intermediate=config.intermediate_size // shards,
             vocab=config.vocab_size // shards,
+            logits_vocab=config.vocab_size,
             dtype=config.dtype,
             qk_norm=config.qk_norm,
             qkv_bias=config.qkv_bias,
@@ -74,13 +76,14 @@ def build_decode_kernels(
     shapes: DecodeShapes, device: torch.device, rows: Iterable[int] | None = None
 ) -> None:
     """Build every Triton kernel a decode step of ``shapes`` launches on ``device``: the size-free ones
-    once, the projections' tilings for each row count in ``rows`` (default 1 to ``MAX_ROWS``; more rows
-    run on cuBLAS). Launches nothing and allocates no device memory (see the module docstring); raises
-    what Triton raises (the caller treats the build as an optimisation)."""
+    once, the projections' tilings for each row count in ``rows`` (default 1 to ``MAX_ROWS``, powers of
+    two first; more rows run on cuBLAS). Launches nothing and allocates no device memory (see the module
+    docstring); raises what Triton raises (the caller treats the build as an optimisation)."""
     fused = importlib.import_module("devgraph.reference.kernels.triton_fused")
+    argmax = importlib.import_module("devgraph.reference.kernels.triton_argmax")
     linear = importlib.import_module("devgraph.reference.kernels.triton_linear")
     s = shapes
-    counts = list(rows) if rows is not None else list(range(1, linear.MAX_ROWS + 1))
+    counts = list(rows) if rows is not None else _rows_in_build_order(linear.MAX_ROWS)
 
     def empty(*size: int, dtype: torch.dtype = s.dtype) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device="meta")
@@ -107,11 +110,20 @@ def build_decode_kernels(
         if s.paged:
             _build_attention(q, k, v, s, device)
         fused.silu_mul(empty(1, 2 * s.intermediate))
+        if s.dtype in argmax.TAKES:  # the greedy tokens a server takes inside its decode graph
+            argmax.argmax_rows(empty(1, s.logits_vocab))
         inputs = {"qkv": s.hidden, "o": s.heads * s.head_dim, "gate_up": s.hidden, "down": s.intermediate}
         inputs["lm_head"] = s.hidden
         for count in counts:
             for name, (weight, bias) in weights.items():
                 linear.linear(empty(count, inputs[name]), weight, bias)
+
+
+def _rows_in_build_order(most: int) -> list[int]:
+    """1 to ``most`` rows, powers of two first: the sizes capture plans hold most (a capture that needs a
+    kernel before this thread has built it compiles it on the main thread)."""
+    powers = [1 << i for i in range(most.bit_length()) if 1 << i <= most]
+    return powers + [n for n in range(1, most + 1) if n not in powers]
 
 
 def _build_attention(

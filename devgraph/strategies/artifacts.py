@@ -283,27 +283,51 @@ def _process_started() -> float:
 def carry_triton_entries(source: Path, target: Path, *, since: float, most: int = 512) -> int:
     """Copy the entries of Triton's cache ``source`` written since ``since`` (this process's: a kernel and
     its metadata, or a launcher, one directory each, named by their hash) into ``target``, keeping any
-    already there; at most ``most``. Returns how many were copied. A failure leaves the rest to be built
-    again at the first launch, as before (logged at DEBUG)."""
-    copied = 0
+    already there; at most ``most``. A kernel's group file (``__grp__*.json``) names its files by absolute
+    path: the copy's names its own files, so it outlives ``source``. Each entry is copied whole or not at
+    all (staged, then renamed); one that fails is skipped and logged at DEBUG, and is built again at its
+    first launch, as before. Returns how many were copied."""
     try:
-        entries = [e for e in os.scandir(source) if e.is_dir(follow_symlinks=False)]
+        entries = [
+            e for e in os.scandir(source) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+        ]
         fresh = sorted((e for e in entries if e.stat().st_mtime >= since), key=lambda e: e.name)[:most]
         target.mkdir(parents=True, exist_ok=True)
-        for entry in fresh:
-            destination = target / entry.name
-            if destination.exists():
-                continue
+    except OSError as exc:
+        logger.debug("Triton's cache entries in %s not carried to %s: %r", source, target, exc)
+        return 0
+    copied = 0
+    for entry in fresh:
+        destination = target / entry.name
+        if destination.exists():
+            continue
+        staging: Path | None = None
+        try:
             staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=target))
             shutil.copytree(entry.path, staging, dirs_exist_ok=True)
-            try:
-                staging.rename(destination)  # whole or not at all: Triton never sees half an entry
-                copied += 1
-            except OSError:  # another process put it there first
+            _repoint_groups(staging, Path(entry.path), destination)
+            staging.rename(destination)  # Triton never sees half an entry
+            staging = None
+            copied += 1
+        except (OSError, ValueError) as exc:  # a vanished file, a bad group file, another process first
+            logger.debug("Triton's cache entry %s not carried: %r", entry.path, exc)
+        finally:
+            if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
-    except OSError as exc:
-        logger.debug("carrying Triton's cache entries from %s to %s stopped: %r", source, target, exc)
     return copied
+
+
+def _repoint_groups(entry: Path, old: Path, new: Path) -> None:
+    """Rewrite the group files of a copied entry: the paths of its files under ``old`` name ``new``."""
+    for group in entry.glob("__grp__*.json"):
+        data = json.loads(group.read_text())
+        children = data.get("child_paths")
+        if not isinstance(children, dict):
+            continue
+        for name, path in children.items():
+            if isinstance(path, str) and Path(path).parent == old:
+                children[name] = str(new / Path(path).name)
+        group.write_text(json.dumps(data))
 
 
 def _split(blob: bytes) -> tuple[dict[str, Any], bytes] | None:

@@ -1,7 +1,8 @@
 """Launching a reference Triton kernel, or only building it (no triton import here).
 
-Every launch of the reference kernels (:mod:`triton_fused`, :mod:`triton_ops`, :mod:`triton_linear`) goes
-through :func:`launch`. Inside :func:`build_only` (per thread) a launch builds its kernel instead: Triton
+Every launch of the reference kernels (:mod:`triton_fused`, :mod:`triton_ops`, :mod:`triton_linear`,
+:mod:`triton_argmax`; not the tensor-parallel all-reduce, which needs its peers) goes through
+:func:`launch`. Inside :func:`build_only` (per thread) a launch builds its kernel instead: Triton
 compiles it, or loads it from its cache, for exactly the arguments the launch would have passed, and
 nothing runs. The wrappers then take ``meta`` tensors, which carry what a kernel is specialised on (dtype,
 shape, strides, the 16-byte alignment of a view's offset) and hold no memory: a thread can build the

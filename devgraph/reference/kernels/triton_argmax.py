@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from devgraph.reference.kernels.launching import launch
+
 __all__ = ["BLOCK", "TAKES", "argmax_rows"]
 
 #: The logits' dtypes the kernels take (compared in float32, which holds each exactly).
@@ -94,11 +96,13 @@ def argmax_rows(logits: torch.Tensor, *, block: int = BLOCK) -> torch.Tensor:
     best_val = torch.empty((rows, chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
     first_nan = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
-    _chunk_best_kernel[(rows, chunks)](
+    launch(
+        _chunk_best_kernel, (rows, chunks),
         logits, best_val, best_idx, first_nan, vocab, logits.stride(0), chunks, BLOCK=block, NONE=_NONE,
         num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
-    _row_best_kernel[(rows,)](
+    launch(
+        _row_best_kernel, (rows,),
         best_val, best_idx, first_nan, out, chunks, CHUNKS=max(triton.next_power_of_2(chunks), 16),
         NONE=_NONE, num_warps=4 if chunks > 256 else 1,
     )  # fmt: skip

@@ -288,7 +288,9 @@ def _flash(
         k, v = _rows_contiguous(k), _rows_contiguous(v)
         k_strides, v_strides, page = (0, *k.stride()[:2]), (0, *v.stride()[:2]), 16
     grid = (tokens // config.block_m + requests + 1, heads)
-    varlen_flash_kernel[grid](
+    launch(
+        varlen_flash_kernel,
+        grid,
         q,
         k,
         v,
