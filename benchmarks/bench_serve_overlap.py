@@ -40,6 +40,14 @@ from devgraph.serve.bench.loadgen import run_load
 from devgraph.serve.bench.report import summary_table
 
 SCHEDULERS = ("serial", "overlap")
+#: Each server this benchmark can run: its flags. ``--both-deliveries`` runs the overlapped scheduler with
+#: each ``--output-delivery`` (``overlap`` is the default one) for an A/B in one run.
+VARIANTS: dict[str, list[str]] = {
+    "serial": ["--scheduler", "serial"],
+    "overlap": ["--scheduler", "overlap"],
+    "overlap_at_once": ["--scheduler", "overlap", "--output-delivery", "at-once"],
+    "overlap_next_issue": ["--scheduler", "overlap", "--output-delivery", "next-issue"],
+}
 GPU: dict[str, Any] = {
     "server": [
         "--preset", "qwen3-0.6b", "--dtype", "bf16", "--device", "cuda",
@@ -65,7 +73,7 @@ TARGETS = {"itl_over_replay": 1.03, "idle_share": 0.05, "tokens_per_s_over_previ
 
 
 def run_scheduler(settings: dict[str, Any], scheduler: str, out: Path) -> dict[str, Any]:
-    args = [*settings["server"], "--scheduler", scheduler]
+    args = [*settings["server"], *VARIANTS[scheduler]]
     timeline = out / f"serve-overlap-timeline-{scheduler}.json"
     record: dict[str, Any] = {
         "server_command": f"DEVGRAPH_STEP_TIMELINE={timeline} "
@@ -258,13 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--gpu", action="store_true", help="the recorded H100 run")
     which.add_argument("--smoke", action="store_true", help="the same script on the CPU, tiny preset")
     parser.add_argument("--out", default=None, help="output folder (default: $OUT, else benchmarks/results)")
+    parser.add_argument(
+        "--both-deliveries",
+        action="store_true",
+        help="two more servers: overlapped with --output-delivery at-once and next-issue",
+    )
     args = parser.parse_args(argv)
     settings = GPU if args.gpu else SMOKE
     out = Path(args.out or os.environ.get("OUT") or ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
     name = "serve-overlap" if args.gpu else "serve-overlap-smoke"
     start = time.perf_counter()
-    records = {scheduler: run_scheduler(settings, scheduler, out) for scheduler in SCHEDULERS}
+    names = [*SCHEDULERS, *(["overlap_at_once", "overlap_next_issue"] if args.both_deliveries else [])]
+    records = {name: run_scheduler(settings, name, out) for name in names}
     identity = compare(records["serial"], records["overlap"])
     result: dict[str, Any] = {
         "meta": _meta([sys.argv[0], *sys.argv[1:]]),

@@ -100,6 +100,7 @@ run_step() {  # run_step NAME: one step, its limit, its command
     argmax) limit=120 cmd="cd benchmarks && PYTHONPATH=..:.:\${PYTHONPATH:-} $PY bench_argmax.py --out $R/argmax.json" ;;
     replay_order) limit=150 cmd="cd benchmarks && PYTHONPATH=..:.:\${PYTHONPATH:-} OUT=$R $PY replay_after_eager.py" ;;
     kernel_builds) limit=120 cmd="pytest_json kernel-builds 100 -m cuda tests/test_kernel_builds.py tests/test_fused.py" ;;
+    serve_overlap_ab) limit=220 cmd="$PY benchmarks/bench_serve_overlap.py --gpu --both-deliveries --out $R" ;;
     serve_host_sample) limit=170 cmd="$PY benchmarks/bench_serve_host.py --device cuda --preset qwen3-0.6b --repeats 2 --sample --out $R/serve-host.json" ;;
     _ok) limit=20 cmd="echo fine" ;;        # the script's own check: a step that ends,
     _hang) limit=3 cmd="sleep 60; echo never" ;;  # and one killed at its limit

@@ -530,3 +530,133 @@ def test_a_step_timeline_that_cannot_be_written_logs_and_does_not_raise(
     timeline.path = tmp_path / "ok" / "timeline.json"  # the same timeline, a good path: written whole
     timeline.save()
     assert json.loads(timeline.path.read_text())["spans"][0]["step"] == 7
+
+
+def _traced_loop(
+    model: ReferenceModel, scheduler: str, delivery: str = "at-once"
+) -> tuple[Any, list[tuple[str, Any]]]:
+    """An engine loop whose issues, reads and deliveries are recorded in the order they happen."""
+    import threading
+
+    from devgraph.serve.engine import EngineLoop
+
+    engine = _engine(model, scheduler, mode="disabled")
+    events: list[tuple[str, Any]] = []
+    issue, read = engine._issue, engine._read
+
+    def issued(failed: list[RequestOutput]) -> Any:
+        step = issue(failed)
+        if step is not None:
+            events.append(("issue", None))
+        return step
+
+    def reading(step: Any) -> list[RequestOutput]:
+        events.append(("read", None))
+        return read(step)
+
+    engine._issue, engine._read = issued, reading  # type: ignore[method-assign]
+    loop = EngineLoop(engine, delivery)
+    loop.done = threading.Event()  # type: ignore[attr-defined]
+    return loop, events
+
+
+def _serve_loop(
+    loop: Any, events: list[tuple[str, Any]], prompts: list[list[int]], max_tokens: int
+) -> dict[str, list]:
+    outputs: dict[str, list[RequestOutput]] = {}
+    open_requests = [len(prompts)]
+
+    def sink(output: RequestOutput) -> None:
+        events.append(("deliver", output))
+        outputs.setdefault(output.request_id, []).append(output)
+        if output.finished:
+            open_requests[0] -= 1
+            if not open_requests[0]:
+                loop.done.set()
+
+    loop.start()
+    for prompt in prompts:
+        loop.submit(prompt, SamplingParams(max_tokens=max_tokens), sink)
+    assert loop.done.wait(60)
+    loop.shutdown()
+    loop.engine.close()
+    return outputs
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "delivery"), [("serial", "next-issue"), ("overlap", "next-issue"), ("overlap", "at-once")]
+)
+def test_a_steps_outputs_reach_the_sinks_while_the_engine_waits_not_while_it_issues(
+    model: ReferenceModel, scheduler: str, delivery: str
+) -> None:
+    # Overlapped: step N's outputs go out after step N+1... is issued and before the engine thread blocks
+    # on the device (so the HTTP loop's Python runs while this thread holds no lock): never between a read
+    # and the next issue while a step is in flight. Serial, or `at-once`: right after the read.
+    loop, events = _traced_loop(model, scheduler, delivery)
+    outputs = _serve_loop(loop, events, _prompts(3, seed=4), max_tokens=12)
+    kinds = [kind for kind, _ in events]
+    delivered = [i for i, kind in enumerate(kinds) if kind == "deliver"]
+    assert delivered and all(len(o) >= 1 and o[-1].finished for o in outputs.values())
+    if (scheduler, delivery) == ("overlap", "next-issue"):
+        in_flight_deliveries = 0
+        for i in delivered:
+            before = [k for k in kinds[:i] if k != "deliver"]
+            if before and before[-1] == "issue" and "read" in kinds[i:]:
+                in_flight_deliveries += 1
+            else:  # after a read only when nothing was issued after it: the last step's, at the end
+                assert before[-1] == "read" and "issue" not in kinds[i:], kinds[max(0, i - 4) : i + 2]
+        assert in_flight_deliveries >= len(delivered) // 2
+    else:
+        for i in delivered:
+            assert [k for k in kinds[:i] if k != "deliver"][-1] == "read"
+
+
+def test_held_outputs_keep_their_tokens_and_go_before_an_abort(
+    model: ReferenceModel,
+) -> None:
+    got = {}
+    for scheduler in SCHEDULERS:
+        loop, events = _traced_loop(model, scheduler, "next-issue")
+        got[scheduler] = {
+            tuple(tuple(o.token_ids) for o in outs)
+            for outs in _serve_loop(loop, events, _prompts(3, seed=9), 10).values()
+        }
+    assert got["overlap"] == got["serial"]
+    # An abort while a token is held: the token first, then the abort's finished output.
+    import threading
+
+    from devgraph.serve.engine import EngineLoop
+
+    engine = _engine(model, "overlap", mode="disabled")
+    loop = EngineLoop(engine, "next-issue")
+    seen: list[RequestOutput] = []
+    first = threading.Event()
+    finished = threading.Event()
+
+    def sink(output: RequestOutput) -> None:
+        seen.append(output)
+        first.set()
+        if output.finished:
+            finished.set()
+
+    loop.start()
+    request_id = loop.submit([1, 2, 3, 4], SamplingParams(max_tokens=200), sink)
+    assert first.wait(30)
+    loop.abort(request_id)
+    assert finished.wait(30)
+    loop.shutdown()
+    engine.close()
+    assert seen[-1].finish_reason is FinishReason.ABORT
+    assert all(not o.finished for o in seen[:-1]) and len(seen) >= 2
+    # no token lost behind the abort: the client got every token the engine counted for the request
+    assert sum(len(o.token_ids) for o in seen) == seen[-1].num_output_tokens
+
+
+def test_an_unknown_output_delivery_is_refused(model: ReferenceModel) -> None:
+    from devgraph import ConfigError
+    from devgraph.serve.engine import EngineLoop
+
+    engine = _engine(model, "overlap", mode="disabled")
+    with pytest.raises(ConfigError, match="at-once, next-issue"):
+        EngineLoop(engine, "later")
+    engine.close()

@@ -735,3 +735,39 @@ def test_switch_interval_flag_sets_pythons_and_is_left_alone_without_it(
         sys.setswitchinterval(before)
     with pytest.raises(SystemExit):
         parser.parse_args(["--switch-interval-us", "0"])
+
+
+def test_the_output_delivery_flag_reaches_the_engine_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    import types
+
+    from devgraph.serve.api import server as server_module
+    from devgraph.serve.cli import add_serve_parser
+    from devgraph.serve.engine import OutputDelivery
+
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers())
+    chosen: list[OutputDelivery] = []
+
+    class Stop(Exception):
+        pass
+
+    class Loop:
+        def __init__(self, engine: object, delivery: object) -> None:
+            chosen.append(OutputDelivery.parse(delivery))
+            raise Stop
+
+    engine = types.SimpleNamespace(warm_up=lambda: None)
+    monkeypatch.delenv("DEVGRAPH_STEP_TIMELINE", raising=False)
+    monkeypatch.setattr(server_module, "build_engine", lambda *a, **k: engine)
+    monkeypatch.setattr(server_module, "EngineLoop", Loop)
+    source = types.SimpleNamespace(name="m")
+    for flags, expected in (
+        ([], OutputDelivery.AT_ONCE),
+        (["--output-delivery", "next-issue"], OutputDelivery.NEXT_ISSUE),
+    ):
+        args = parser.parse_args(["--device", "cpu", *flags])
+        with pytest.raises(Stop):
+            server_module._serve_model(args, 0.0, server_module.Startup(), None, source)
+        assert chosen[-1] is expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--output-delivery", "later"])

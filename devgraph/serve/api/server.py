@@ -32,6 +32,7 @@ from devgraph.serve.api.metrics import ServeMetrics, prometheus_available
 from devgraph.serve.api.recording import TrafficRecorder
 from devgraph.serve.api.stats_log import ThroughputLog
 from devgraph.serve.checkpoint.source import ModelSource
+from devgraph.serve.engine.config import OutputDelivery
 from devgraph.serve.engine.engine_thread import EngineLoop
 from devgraph.serve.engine.timeline import StepTimeline
 from devgraph.serve.startup import Startup, build_engine, open_source
@@ -114,7 +115,7 @@ def _serve_model(
     timeline = StepTimeline.from_environment(engine)  # DEVGRAPH_STEP_TIMELINE: the serving benchmarks
     recorder = _recorder(args, engine)
     model_name = args.served_model_name or source.name
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, getattr(args, "output_delivery", OutputDelivery.AT_ONCE))
     if world is not None:  # a lost rank: answer every request with an error, then stop (exit code 1)
         world.on_lost = functools.partial(_lost, loop)
     loop.start()

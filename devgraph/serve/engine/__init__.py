@@ -12,7 +12,7 @@ batches change composition, prefill chunks mix with decodes, and every forward g
 """
 
 from devgraph.serve.engine.allocator import BlockAllocator, BlockTables, OutOfBlocks
-from devgraph.serve.engine.config import EngineConfig, SchedulerMode
+from devgraph.serve.engine.config import EngineConfig, OutputDelivery, SchedulerMode
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.engine_thread import EngineAsleep, EngineClosed, EngineLoop, Sink
 from devgraph.serve.engine.request import FinishReason, Request, RequestOutput, SamplingParams, Status
@@ -27,6 +27,7 @@ __all__ = [
     "EngineAsleep",
     "EngineClosed",
     "EngineConfig",
+    "OutputDelivery",
     "EngineLoop",
     "FinishReason",
     "OutOfBlocks",

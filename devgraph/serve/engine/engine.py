@@ -34,7 +34,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -410,6 +410,11 @@ class Engine:
         return [self._finish(r, reason, []) for r in members]
 
     @property
+    def step_in_flight(self) -> bool:
+        """A step was issued and not read yet: the next :meth:`step` (or :meth:`drain`) reads it."""
+        return self._in_flight is not None
+
+    @property
     def has_work(self) -> bool:
         """Requests running or waiting, or a step issued and not read yet."""
         return self.scheduler.has_work or self._in_flight is not None
@@ -423,16 +428,20 @@ class Engine:
         return len(self.scheduler.waiting)
 
     # -- the step ------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_read: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a token or finished.
 
         Serial: schedule and issue a step, then read it. Overlapped: schedule and issue step N+1, then read
         step N (issued by the previous call) while the device runs N+1; the outputs are step N's (and
-        those of N+1's forwards that failed). :meth:`drain` reads the step left in flight."""
+        those of N+1's forwards that failed). :meth:`drain` reads the step left in flight.
+        ``before_read``: called once the step is issued, before this thread waits for the device (the
+        time a caller's other threads can run Python without holding up an issue)."""
         outputs: list[RequestOutput] = []
         if self._serial_reason() is not None:
             outputs += self.drain()
         issued = self._issue(outputs)
+        if before_read is not None:
+            before_read()
         previous = self._take()
         if previous is not None:
             outputs += self._read(previous)

@@ -7,6 +7,12 @@ submission (called on the engine thread: a sink must be quick and thread-safe, e
 ``loop.call_soon_threadsafe``). All engine state is touched by the engine thread only. When the engine
 captures its graphs in the background (:meth:`Engine.capture_in_background`), the engine thread captures
 one key after each step and keeps capturing while idle: a capture never overlaps a step.
+
+A step's outputs go to their sinks as soon as it is read (:class:`OutputDelivery`, ``at-once``), or, with
+``next-issue`` and a step in flight, once the next step is issued, just before the engine thread waits for
+the device: the event loop's Python then runs while this thread waits instead of while it issues. Held
+outputs keep their order (they go first, before an abort's or a failure's); see :class:`OutputDelivery`
+for what each was measured to do.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from devgraph import ConfigError, DevGraphError
+from devgraph.serve.engine.config import OutputDelivery
 from devgraph.serve.engine.engine import Engine
 from devgraph.serve.engine.request import FinishReason, RequestOutput, SamplingParams
 from devgraph.serve.engine.sleep import check_level
@@ -43,8 +50,9 @@ class EngineAsleep(DevGraphError):
 class EngineLoop:
     """Owns ``engine`` and one thread that steps it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, delivery: OutputDelivery | str = OutputDelivery.AT_ONCE) -> None:
         self.engine = engine
+        self.delivery: Final = OutputDelivery.parse(delivery)
         self._cond = threading.Condition()
         self._adds: list[tuple[str, list[int], SamplingParams, Sink]] = []
         self._aborts: list[tuple[str, FinishReason, int | None]] = []
@@ -54,6 +62,7 @@ class EngineLoop:
         self._closing = False
         self._stop = False
         self._asleep = False  # sleep mode: submit() refuses while set
+        self._held: list[RequestOutput] = []  # engine thread: the last step's outputs, for the next issue
         self._state_lock = threading.Lock()  # held while the engine thread touches engine state
         # Taken by another thread around its turn with the state lock, and passed through by the engine
         # thread before each turn: a Lock is not fair, and the engine thread, which takes the state lock
@@ -185,6 +194,7 @@ class EngineLoop:
             with self._state_lock:
                 self._apply(adds, aborts)
                 if stop:
+                    self._deliver_held()
                     for request_id in list(self._sinks):
                         for output in self.engine.abort_group(request_id):
                             self._deliver(output)
@@ -225,23 +235,35 @@ class EngineLoop:
                 logger.warning("adding request %s failed: %r", request_id, exc)
                 self._open[request_id] = 1  # one error output ends it
                 self._deliver(RequestOutput(request_id, [], True, FinishReason.ERROR, error=repr(exc)))
+        if aborts:
+            self._deliver_held()  # a request's earlier tokens before its abort's output
         for request_id, reason, index in aborts:
             for output in self.engine.abort_group(request_id, reason, index):
                 self._deliver(output)
 
     def _step(self) -> None:
         if not self.engine.has_work:
+            self._deliver_held()
             return
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(before_read=self._deliver_held)
         except Exception as exc:  # never let the thread die: fail what is in flight and go on
             logger.exception("engine step failed")
-            outputs = []
+            self._deliver_held()
             for request_id in list(self._sinks):
                 for aborted in self.engine.abort_group(request_id):
                     aborted.finish_reason, aborted.error = FinishReason.ERROR, repr(exc)
-                    outputs.append(aborted)
+                    self._deliver(aborted)
+            return
+        if self.delivery is OutputDelivery.NEXT_ISSUE and self.engine.step_in_flight:  # after the next issue
+            self._held = outputs
+            return
         for output in outputs:
+            self._deliver(output)
+
+    def _deliver_held(self) -> None:
+        held, self._held = self._held, []
+        for output in held:
             self._deliver(output)
 
     def _deliver(self, output: RequestOutput) -> None:
