@@ -138,8 +138,15 @@ def test_the_set_up_thread_builds_for_its_model_s_device(monkeypatch: pytest.Mon
     thread = fused.set_up_triton("triton", torch.device("cuda", 1), 64, torch.float16)
     assert thread is not None
     thread.join(10)
-    assert chosen == [(torch.device("cuda", 1), "devgraph-triton-set-up")], chosen
+    assert chosen == [(1, "devgraph-triton-set-up")], chosen
     assert "error" not in fused.TRITON_SET_UP
+    # a bare "cuda": the device current on the caller's thread, not the new thread's default
+    monkeypatch.setattr(fused, "TRITON_SET_UP", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    thread = fused.set_up_triton("triton", torch.device("cuda"), 64, torch.float16)
+    assert thread is not None
+    thread.join(10)
+    assert chosen[-1] == (2, "devgraph-triton-set-up"), chosen
 
 
 _SCRIPT = """

@@ -574,9 +574,9 @@ def _serve_loop(
             if not open_requests[0]:
                 loop.done.set()
 
-    loop.start()
-    for prompt in prompts:
+    for prompt in prompts:  # all queued before the thread starts: one admission, whatever the scheduling
         loop.submit(prompt, SamplingParams(max_tokens=max_tokens), sink)
+    loop.start()
     assert loop.done.wait(60)
     loop.shutdown()
     loop.engine.close()
@@ -660,3 +660,30 @@ def test_an_unknown_output_delivery_is_refused(model: ReferenceModel) -> None:
     with pytest.raises(ConfigError, match="at-once, next-issue"):
         EngineLoop(engine, "later")
     engine.close()
+
+
+@pytest.mark.parametrize("delivery", ["at-once", "next-issue"])
+def test_a_shutdown_mid_stream_delivers_every_held_token_before_the_abort(
+    model: ReferenceModel, delivery: str
+) -> None:
+    import threading
+
+    from devgraph.serve.engine import EngineLoop
+
+    engine = _engine(model, "overlap", mode="disabled")
+    loop = EngineLoop(engine, delivery)
+    seen: list[RequestOutput] = []
+    streaming = threading.Event()
+
+    def sink(output: RequestOutput) -> None:
+        seen.append(output)
+        if len(seen) >= 3:
+            streaming.set()
+
+    loop.submit([1, 2, 3, 4], SamplingParams(max_tokens=200), sink)
+    loop.start()
+    assert streaming.wait(30)
+    loop.shutdown(drain_seconds=0.0)
+    engine.close()
+    assert seen[-1].finished and seen[-1].finish_reason is FinishReason.ABORT
+    assert sum(len(o.token_ids) for o in seen) == seen[-1].num_output_tokens

@@ -90,12 +90,18 @@ def set_up_triton(
     if TRITON_SET_UP or device.type != "cuda" or not fused_kernels(kernels, device):
         return None
     TRITON_SET_UP["started"] = True
+    index = device.index  # the current device is per thread, and Triton keeps a kernel per device
+    if index is None:
+        try:
+            index = torch.cuda.current_device()  # the caller's, for a bare "cuda"
+        except Exception:  # no usable CUDA here: the build fails below and is recorded
+            index = None
 
     def work() -> None:
         start = time.perf_counter()
         try:
-            if device.index is not None:  # per thread: Triton keeps a kernel per device it was built on
-                torch.cuda.set_device(device)
+            if index is not None:
+                torch.cuda.set_device(index)
             _ops().build_silu_mul(width, dtype)
             _linear_ops().build_linear(dtype, has_bias=bias)
             TRITON_SET_UP["set_up_seconds"] = round(time.perf_counter() - start, 3)

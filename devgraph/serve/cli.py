@@ -323,8 +323,8 @@ def _serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=OutputDelivery.AT_ONCE.value,
         help="when a step's tokens go to the HTTP side under the overlapped scheduler: at-once (default: as "
         "soon as they are read) or next-issue (once the engine has issued the next step, while it waits "
-        "for the device: a shorter issue under load, but 17%% fewer tokens/s on Qwen3-0.6B at 32 streams "
-        "in the A/B of docs/tensor-parallel.md, round 12)",
+        "for the device: a shorter issue under load, but fewer tokens/s on Qwen3-0.6B at 32 streams "
+        "in the one A/B of docs/tensor-parallel.md, round 12)",
     )
     parser.add_argument(
         "--progress",

@@ -284,32 +284,38 @@ def carry_triton_entries(source: Path, target: Path, *, since: float, most: int 
     """Copy the entries of Triton's cache ``source`` written since ``since`` (this process's: a kernel and
     its metadata, or a launcher, one directory each, named by their hash) into ``target``, keeping any
     already there; at most ``most``. A kernel's group file (``__grp__*.json``) names its files by absolute
-    path: the copy's names its own files, so it outlives ``source``. Each entry is copied whole or not at
-    all (staged, then renamed); one that fails is skipped and logged at DEBUG, and is built again at its
-    first launch, as before. Returns how many were copied."""
+    path: the copy's names its own files, so it outlives ``source``. Each entry is staged, then renamed
+    into place (Triton never sees half a copy; an entry Triton was still writing may be copied without
+    its group file, and is then built again, as before); links are copied as links, never followed. An
+    entry that fails is skipped and logged at DEBUG; nothing here raises. Returns how many were copied."""
     try:
-        entries = [
-            e for e in os.scandir(source) if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
-        ]
-        fresh = sorted((e for e in entries if e.stat().st_mtime >= since), key=lambda e: e.name)[:most]
+        entries = list(os.scandir(source))
         target.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         logger.debug("Triton's cache entries in %s not carried to %s: %r", source, target, exc)
         return 0
+    fresh = []
+    for entry in entries:
+        try:
+            mine = entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
+            if mine and entry.stat(follow_symlinks=False).st_mtime >= since:
+                fresh.append(entry)
+        except OSError:  # gone since the listing
+            continue
     copied = 0
-    for entry in fresh:
+    for entry in sorted(fresh, key=lambda e: e.name)[:most]:
         destination = target / entry.name
         if destination.exists():
             continue
         staging: Path | None = None
         try:
             staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=target))
-            shutil.copytree(entry.path, staging, dirs_exist_ok=True)
+            shutil.copytree(entry.path, staging, symlinks=True, dirs_exist_ok=True)
             _repoint_groups(staging, Path(entry.path), destination)
-            staging.rename(destination)  # Triton never sees half an entry
+            staging.rename(destination)
             staging = None
             copied += 1
-        except (OSError, ValueError) as exc:  # a vanished file, a bad group file, another process first
+        except Exception as exc:  # a vanished file, a bad group file, another process first: skip it
             logger.debug("Triton's cache entry %s not carried: %r", entry.path, exc)
         finally:
             if staging is not None:
@@ -321,7 +327,7 @@ def _repoint_groups(entry: Path, old: Path, new: Path) -> None:
     """Rewrite the group files of a copied entry: the paths of its files under ``old`` name ``new``."""
     for group in entry.glob("__grp__*.json"):
         data = json.loads(group.read_text())
-        children = data.get("child_paths")
+        children = data.get("child_paths") if isinstance(data, dict) else None
         if not isinstance(children, dict):
             continue
         for name, path in children.items():

@@ -46,10 +46,9 @@ class OutputDelivery(str, enum.Enum):
     device: the sinks wake the HTTP event loop, whose Python then runs while the engine thread holds no
     interpreter lock instead of while it issues; a token leaves one issue later. With nothing in flight
     (the serial scheduler, the last step) both deliver at once. Measured on H200s (docs/tensor-parallel.md,
-    "Round 12"): ``next-issue`` cut the engine's decode issue under load (2.39 to 0.54 ms on the 8B shape
-    at 64 streams, its share spent waiting 0.53 to 0.06), but served 17% fewer tokens/s on Qwen3-0.6B at 32
-    streams in the same run (9182 against 11025): the engine then waits for the event loop after the
-    device instead of during its issue. So ``at-once`` stays the default.
+    "Round 12"): ``next-issue`` cut the one-GPU 8B server's decode issue at 64 streams from 2.39 to 0.54 ms
+    (two calls), its share spent waiting from 0.53 to 0.06, but in one A/B on Qwen3-0.6B at 32 streams it
+    served 9182 tokens/s against ``at-once``'s 11025. So ``at-once`` stays the default.
     """
 
     AT_ONCE = "at-once"

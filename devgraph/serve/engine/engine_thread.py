@@ -272,9 +272,12 @@ class EngineLoop:
         if sink is None:
             return
         if output.finished:
-            self._open[group] -= 1
-            if self._open[group] <= 0:
-                del self._sinks[group], self._open[group]
+            left = self._open.get(group, 1) - 1  # fail_all (another thread) may have emptied the maps
+            if left <= 0:
+                self._sinks.pop(group, None)
+                self._open.pop(group, None)
+            else:
+                self._open[group] = left
         try:
             sink(output)
         except Exception:  # a closed event loop or a broken sink must not stop the engine
