@@ -4,13 +4,36 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
 
 from devgraph import ConfigError
 
 __all__ = ["EngineConfig", "OutputDelivery", "SchedulerMode"]
 
+_Choice = TypeVar("_Choice", bound="_FlagChoice")
 
-class SchedulerMode(str, enum.Enum):
+
+class _FlagChoice(str, enum.Enum):
+    """A closed set of names one engine setting takes: printed as its value, parsed with an error that
+    lists the choices (:meth:`setting` names the setting in it)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def setting(cls) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls: type[_Choice], value: object) -> _Choice:
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ConfigError(f"{cls.setting()} must be one of {choices}, got {value!r}") from None
+
+
+class SchedulerMode(_FlagChoice):
     """How the engine's host work meets the device's (``--scheduler``).
 
     ``overlap``: step N+1 is scheduled, staged and issued while the device runs step N, and step N's
@@ -22,23 +45,16 @@ class SchedulerMode(str, enum.Enum):
     SERIAL = "serial"
     OVERLAP = "overlap"
 
-    def __str__(self) -> str:
-        return self.value
+    @classmethod
+    def setting(cls) -> str:
+        return "scheduler"
 
     @property
     def overlaps(self) -> bool:
         return self is SchedulerMode.OVERLAP
 
-    @classmethod
-    def parse(cls, value: object) -> SchedulerMode:
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(m.value for m in cls)
-            raise ConfigError(f"scheduler must be one of {choices}, got {value!r}") from None
 
-
-class OutputDelivery(str, enum.Enum):
+class OutputDelivery(_FlagChoice):
     """When the engine thread hands a step's outputs to their sinks (``--output-delivery``).
 
     ``at-once`` (the default): as soon as a step is read. ``next-issue``: with a step in flight (the
@@ -54,16 +70,9 @@ class OutputDelivery(str, enum.Enum):
     AT_ONCE = "at-once"
     NEXT_ISSUE = "next-issue"
 
-    def __str__(self) -> str:
-        return self.value
-
     @classmethod
-    def parse(cls, value: object) -> OutputDelivery:
-        try:
-            return cls(value)
-        except ValueError:
-            choices = ", ".join(m.value for m in cls)
-            raise ConfigError(f"output delivery must be one of {choices}, got {value!r}") from None
+    def setting(cls) -> str:
+        return "output delivery"
 
 
 @dataclass(frozen=True)
