@@ -81,10 +81,10 @@ def set_up_triton(
     """Start Triton's one-time set-up on a daemon thread, once per process, where a model built with
     ``config.kernels`` for ``device`` runs the Triton kernels on a GPU (``None`` otherwise, and when it ran
     already). A model calls it first thing, so the set-up (and the build of kernels the model uses: its
-    SiLU-and-multiply over ``width`` columns of ``dtype``, then the projections' one-row kernels, with a
-    bias too where ``bias``; with ``decode``, every kernel of its decode step,
-    :func:`~devgraph.reference.kernel_builds.build_decode_kernels`) runs while the weights are drawn or
-    loaded instead of inside the first capture. It launches nothing and allocates no device memory
+    SiLU-and-multiply over ``width`` columns of ``dtype``, then with ``decode`` every kernel of its decode
+    step, :func:`~devgraph.reference.kernel_builds.build_decode_kernels`; without, the projections' one-row
+    tilings at a typical size, with a bias too where ``bias``) runs while the weights are drawn or loaded
+    instead of inside the first capture. It launches nothing and allocates no device memory
     (:func:`~devgraph.reference.kernels.triton_fused.build_silu_mul`); a failure is logged and leaves the
     first launch to do the set-up as before. :data:`TRITON_SET_UP` says what it did."""
     if TRITON_SET_UP or device.type != "cuda" or not fused_kernels(kernels, device):
@@ -103,7 +103,8 @@ def set_up_triton(
             if index is not None:
                 torch.cuda.set_device(index)
             _ops().build_silu_mul(width, dtype)
-            _linear_ops().build_linear(dtype, has_bias=bias)
+            if decode is None:  # with the shapes, the decode build makes the model's own one-row tilings
+                _linear_ops().build_linear(dtype, has_bias=bias)
             TRITON_SET_UP["set_up_seconds"] = round(time.perf_counter() - start, 3)
             if decode is not None:
                 build_decode_kernels(decode, device)
