@@ -45,7 +45,6 @@ SCHEDULERS = ("serial", "overlap")
 VARIANTS: dict[str, list[str]] = {
     "serial": ["--scheduler", "serial"],
     "overlap": ["--scheduler", "overlap"],
-    "overlap_at_once": ["--scheduler", "overlap", "--output-delivery", "at-once"],
     "overlap_next_issue": ["--scheduler", "overlap", "--output-delivery", "next-issue"],
 }
 GPU: dict[str, Any] = {
